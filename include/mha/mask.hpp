@@ -1,0 +1,155 @@
+// Attention masks whose polarity is part of their name.
+//
+// PyTorch has two opposite conventions for boolean masks, and mixing them up silently gives
+// wrong attention (pytorch#170400, #120668):
+//   nn.MultiheadAttention:                 true = BLOCKED (the key is ignored)
+//   F.scaled_dot_product_attention (SDPA): true = ALLOWED (the key is attended to)
+// Here a boolean mask cannot be made without saying which one it is:
+//   Mask<T>::blocked_where_true(m)   PyTorch MHA's convention (attn_mask, key_padding_mask)
+//   Mask<T>::allowed_where_true(m)   SDPA's convention
+//   Mask<T>::additive(m)             float mask added to the scores; -inf blocks a key
+// Every entry point accepts all three kinds, so a mask exported from either PyTorch API keeps
+// its meaning as long as it is wrapped with the matching name.
+//
+// Causal masking has two alignments, which differ when L != S:
+//   Causal::top_left      query i sees keys j <= i             (PyTorch SDPA is_causal)
+//   Causal::bottom_right  query i sees keys j <= i + S - L     (FlashAttention >= 2.1; what a
+//                                                                KV-cache decode step needs)
+#pragma once
+
+#include <limits>
+#include <utility>
+
+#include "mha/tensor.hpp"
+
+namespace mha {
+
+enum class MaskKind { none, blocked_where_true, allowed_where_true, additive };
+
+enum class Causal { none, top_left, bottom_right };
+
+inline const char* mask_kind_name(MaskKind kind) {
+  switch (kind) {
+    case MaskKind::none:
+      return "none";
+    case MaskKind::blocked_where_true:
+      return "boolean, true = blocked";
+    case MaskKind::allowed_where_true:
+      return "boolean, true = allowed";
+    case MaskKind::additive:
+      return "additive";
+  }
+  return "unknown";
+}
+
+// An owning mask of one of the kinds above. A default-constructed Mask means "no mask".
+template <class T>
+class Mask {
+ public:
+  Mask() = default;
+
+  static Mask blocked_where_true(Tensor<bool> mask) {
+    return Mask(MaskKind::blocked_where_true, std::move(mask), Tensor<T>());
+  }
+  static Mask blocked_where_true(TensorView<const bool> mask) {
+    return blocked_where_true(Tensor<bool>(mask));
+  }
+  static Mask allowed_where_true(Tensor<bool> mask) {
+    return Mask(MaskKind::allowed_where_true, std::move(mask), Tensor<T>());
+  }
+  static Mask allowed_where_true(TensorView<const bool> mask) {
+    return allowed_where_true(Tensor<bool>(mask));
+  }
+  static Mask additive(Tensor<T> mask) {
+    return Mask(MaskKind::additive, Tensor<bool>(), std::move(mask));
+  }
+  static Mask additive(TensorView<const T> mask) { return additive(Tensor<T>(mask)); }
+
+  MaskKind kind() const { return kind_; }
+  bool empty() const { return kind_ == MaskKind::none; }
+  const Shape& shape() const { return kind_ == MaskKind::additive ? values_.shape() : bools_.shape(); }
+  Index rank() const { return static_cast<Index>(shape().size()); }
+  const Tensor<bool>& booleans() const { return bools_; }
+  const Tensor<T>& values() const { return values_; }
+
+ private:
+  Mask(MaskKind kind, Tensor<bool> bools, Tensor<T> values)
+      : kind_(kind), bools_(std::move(bools)), values_(std::move(values)) {}
+
+  MaskKind kind_ = MaskKind::none;
+  Tensor<bool> bools_;
+  Tensor<T> values_;
+};
+
+namespace detail {
+
+// Where one (b, h) slice of a mask lives, with broadcast axes given stride 0. A mask covers
+// the first `cols` key columns; later columns (bias_k, zero attention) are never masked by it.
+template <class T>
+struct MaskLayout {
+  MaskKind kind = MaskKind::none;
+  const bool* bools = nullptr;
+  const T* values = nullptr;
+  Index batch_stride = 0;
+  Index head_stride = 0;
+  Index row_stride = 0;
+  Index cols = 0;
+
+  // Adds the mask's (b, h) slice to scores [L, >= cols]: -inf where blocked.
+  template <class Scores>
+  void apply(Index b, Index h, Scores& scores) const {
+    if (kind == MaskKind::none) return;
+    constexpr T kBlocked = -std::numeric_limits<T>::infinity();
+    const Index offset = b * batch_stride + h * head_stride;
+    for (Index i = 0; i < scores.rows(); ++i) {
+      const Index row = offset + i * row_stride;
+      if (kind == MaskKind::additive) {
+        scores.row(i).head(cols) += Eigen::Map<const RowVector<T>>(values + row, cols);
+        continue;
+      }
+      const bool blocked_value = kind == MaskKind::blocked_where_true;
+      for (Index j = 0; j < cols; ++j) {
+        if (bools[row + j] == blocked_value) scores(i, j) = kBlocked;
+      }
+    }
+  }
+};
+
+template <class T>
+MaskLayout<T> make_mask_layout(const Mask<T>& mask, Index batch_stride, Index head_stride,
+                               Index row_stride, Index cols) {
+  MaskLayout<T> layout;
+  layout.kind = mask.kind();
+  layout.bools = mask.kind() == MaskKind::additive ? nullptr : mask.booleans().data();
+  layout.values = mask.kind() == MaskKind::additive ? mask.values().data() : nullptr;
+  layout.batch_stride = batch_stride;
+  layout.head_stride = head_stride;
+  layout.row_stride = row_stride;
+  layout.cols = cols;
+  return layout;
+}
+
+// The layout of `mask` as an [L = rows, S = cols] mask broadcast over (B, H) by PyTorch's rules:
+// its shape is [L, S], [H, L, S] or [B, H, L, S], where a leading axis may also be 1. Throws a
+// ShapeError naming `argument` and listing the `accepted` shapes otherwise.
+template <class T>
+MaskLayout<T> broadcast_mask_layout(const Mask<T>& mask, const char* argument, Index batch,
+                                    Index heads, Index rows, Index cols,
+                                    const std::string& accepted) {
+  if (mask.empty()) return MaskLayout<T>();
+  const Shape& shape = mask.shape();
+  const Index rank = static_cast<Index>(shape.size());
+  if (rank < 2 || rank > 4 || shape[rank - 2] != rows || shape[rank - 1] != cols) {
+    throw_shape(argument, accepted, shape);
+  }
+  const Index mask_batch = rank == 4 ? shape[0] : 1;
+  const Index mask_heads = rank >= 3 ? shape[rank - 3] : 1;
+  if ((mask_batch != 1 && mask_batch != batch) || (mask_heads != 1 && mask_heads != heads)) {
+    throw_shape(argument, accepted, shape);
+  }
+  return make_mask_layout(mask, mask_batch == 1 ? 0 : mask_heads * rows * cols,
+                          mask_heads == 1 ? 0 : rows * cols, cols, cols);
+}
+
+}  // namespace detail
+}  // namespace mha

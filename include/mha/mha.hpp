@@ -1,0 +1,16 @@
+// mha: multi-head attention with the semantics of torch.nn.MultiheadAttention, header-only,
+// on Eigen. This umbrella header brings in the core; file I/O (which needs nlohmann/json) is
+// separate: #include <mha/io/safetensors.hpp>.
+//
+// The dimension letters (B, L, S, E, H, D) are defined in mha/tensor.hpp.
+#pragma once
+
+#include "mha/version.hpp"
+#include "mha/errors.hpp"
+#include "mha/tensor.hpp"
+#include "mha/heads.hpp"
+#include "mha/softmax.hpp"
+#include "mha/mask.hpp"
+#include "mha/attention.hpp"
+#include "mha/init.hpp"
+#include "mha/multihead_attention.hpp"

@@ -1,0 +1,49 @@
+// Numerically stable softmax over the last axis (the keys) of a row-major score matrix.
+//
+// Each row has its maximum subtracted before exp, so no exp overflows whatever the scale of
+// the scores, and adding a constant to a row does not change its result.
+// A row whose every entry is -inf (every key blocked) becomes all zeros, not NaN: the
+// convention of SDPA (PyTorch 2.5+), FlashAttention and ggml, and of this library.
+#pragma once
+
+#include <cmath>
+#include <limits>
+
+#include "mha/tensor.hpp"
+
+namespace mha {
+
+// scores is [rows, cols], softmax taken along each row, in place. Accepts any writable Eigen
+// expression (a matrix, a block, a strided map).
+template <class Derived>
+void softmax_rows_inplace(const Eigen::MatrixBase<Derived>& scores_expression) {
+  using T = typename Derived::Scalar;
+  // Eigen's documented idiom for writing through an expression passed by const reference.
+  auto& scores = const_cast<Eigen::MatrixBase<Derived>&>(scores_expression);
+  if (scores.cols() == 0) return;
+  for (Index r = 0; r < scores.rows(); ++r) {
+    auto row = scores.row(r);
+    const T row_max = row.maxCoeff();
+    if (row_max == -std::numeric_limits<T>::infinity()) {
+      row.setZero();
+      continue;
+    }
+    // Eigen's vectorised exp clamps its argument, so exp(-inf) would be ~1e-39 rather than 0:
+    // blocked keys are zeroed explicitly to keep their weight exactly 0.
+    row = (row.array() == -std::numeric_limits<T>::infinity())
+              .select(T(0), (row.array() - row_max).exp())
+              .matrix();
+    // The maximum entry contributed exp(0) = 1, so the sum is at least 1: no division by zero.
+    row /= row.sum();
+  }
+}
+
+// Returns the row softmax of scores [rows, cols].
+template <class Derived>
+Matrix<typename Derived::Scalar> softmax_rows(const Eigen::MatrixBase<Derived>& scores) {
+  Matrix<typename Derived::Scalar> result = scores;
+  softmax_rows_inplace(result);
+  return result;
+}
+
+}  // namespace mha

@@ -1,0 +1,202 @@
+// Tensor types: row-major Eigen matrices, and a dense tensor that carries its shape.
+//
+// The dimension letters, used in every shape comment of this library:
+//   B  batch size
+//   L  query (target) sequence length
+//   S  key/value (source) sequence length; S' = S + add_bias_kv + add_zero_attn columns
+//   E  embedding dimension (embed_dim), the width of queries and of the output
+//   H  number of heads (num_heads)
+//   D  head dimension, D = E / H
+// kdim and vdim are the widths of the key and value inputs (E unless given).
+//
+// A (B, L, E) tensor is stored row-major and contiguous: element (b, l, e) is at
+// data[(b * L + l) * E + e], exactly as a contiguous torch tensor, so weights exported from
+// PyTorch load byte for byte.
+#pragma once
+
+#include <Eigen/Core>
+#include <cstring>
+#include <initializer_list>
+#include <numeric>
+#include <type_traits>
+#include <utility>
+
+#include "mha/errors.hpp"
+
+namespace mha {
+
+template <class T>
+using Matrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+template <class T>
+using Vector = Eigen::Matrix<T, Eigen::Dynamic, 1>;
+template <class T>
+using RowVector = Eigen::Matrix<T, 1, Eigen::Dynamic>;
+
+// A row-major matrix inside a larger buffer: rows are `outer stride` elements apart, elements
+// within a row are adjacent. This is how one head's [L, D] slice of a [L, E] block is seen
+// without a copy (outer stride E).
+template <class T>
+using StridedMap = Eigen::Map<Matrix<std::remove_const_t<T>>, 0, Eigen::OuterStride<>>;
+template <class T>
+using ConstStridedMap = Eigen::Map<const Matrix<std::remove_const_t<T>>, 0, Eigen::OuterStride<>>;
+
+namespace detail {
+
+inline Index shape_size(const Shape& shape) {
+  Index n = 1;
+  for (Index d : shape) {
+    if (d < 0) throw ShapeError("tensor shape " + format_shape(shape) + " has a negative size");
+    n *= d;
+  }
+  return n;
+}
+
+}  // namespace detail
+
+// A non-owning view of a dense row-major tensor. T may be const. The viewed memory must outlive
+// the view (as with Eigen::Map).
+template <class T>
+class TensorView {
+ public:
+  using Scalar = std::remove_const_t<T>;
+  using MatrixMap = std::conditional_t<std::is_const_v<T>, Eigen::Map<const Matrix<Scalar>>,
+                                       Eigen::Map<Matrix<Scalar>>>;
+
+  TensorView() = default;
+  TensorView(T* data, Shape shape) : data_(data), shape_(std::move(shape)) {
+    size_ = detail::shape_size(shape_);
+  }
+  // A non-const view converts to a const one.
+  template <class U, class = std::enable_if_t<std::is_same_v<const U, T> && !std::is_same_v<U, T>>>
+  TensorView(const TensorView<U>& other)  // NOLINT(google-explicit-constructor)
+      : data_(other.data()), shape_(other.shape()), size_(other.size()) {}
+
+  T* data() const { return data_; }
+  const Shape& shape() const { return shape_; }
+  Index rank() const { return static_cast<Index>(shape_.size()); }
+  Index dim(Index axis) const { return shape_.at(static_cast<std::size_t>(axis)); }
+  Index size() const { return size_; }
+  // True when no tensor is viewed (a default-constructed view), used for "not given".
+  bool is_null() const { return data_ == nullptr && shape_.empty(); }
+
+  // All axes but the last as rows, the last as columns: a (B, L, E) tensor as [B*L, E].
+  MatrixMap matrix() const {
+    const Index cols = shape_.empty() ? 1 : shape_.back();
+    const Index rows = cols == 0 ? 0 : size_ / cols;
+    return MatrixMap(data_, rows, cols);
+  }
+  // The sub-tensor at index i of the first axis.
+  TensorView<T> operator[](Index i) const {
+    MHA_ASSERT(rank() >= 1 && i >= 0 && i < shape_[0]);
+    Shape inner(shape_.begin() + 1, shape_.end());
+    const Index stride = detail::shape_size(inner);
+    return TensorView<T>(data_ + i * stride, std::move(inner));
+  }
+  template <class... Indices>
+  T& operator()(Indices... indices) const {
+    static_assert(sizeof...(Indices) > 0, "give one index per axis");
+    MHA_ASSERT(static_cast<Index>(sizeof...(Indices)) == rank());
+    const Index idx[] = {static_cast<Index>(indices)...};
+    Index offset = 0;
+    for (std::size_t a = 0; a < sizeof...(Indices); ++a) {
+      MHA_ASSERT(idx[a] >= 0 && idx[a] < shape_[a]);
+      offset = offset * shape_[a] + idx[a];
+    }
+    return data_[offset];
+  }
+  // The same elements under another shape with the same number of elements.
+  TensorView<T> reshaped(Shape shape) const {
+    if (detail::shape_size(shape) != size_) {
+      detail::throw_shape("reshape", std::to_string(size_) + " elements", shape);
+    }
+    return TensorView<T>(data_, std::move(shape));
+  }
+
+ private:
+  T* data_ = nullptr;
+  Shape shape_;
+  Index size_ = 0;
+};
+
+// An owning dense row-major tensor. Storage is an Eigen vector, so it is aligned for
+// vectorised kernels; T = bool is allowed (for masks).
+template <class T>
+class Tensor {
+ public:
+  Tensor() = default;
+  explicit Tensor(Shape shape) : shape_(std::move(shape)) {
+    data_.setZero(detail::shape_size(shape_));
+  }
+  Tensor(Shape shape, T fill) : shape_(std::move(shape)) {
+    data_.setConstant(detail::shape_size(shape_), fill);
+  }
+  // Copies the elements of a view (of the same scalar type).
+  explicit Tensor(TensorView<const T> view) : shape_(view.shape()) {
+    data_.resize(view.size());
+    if (view.size() > 0) std::copy(view.data(), view.data() + view.size(), data_.data());
+  }
+  Tensor(Shape shape, std::initializer_list<T> values) : Tensor(std::move(shape)) {
+    if (static_cast<Index>(values.size()) != data_.size()) {
+      detail::throw_shape("Tensor values", std::to_string(data_.size()) + " elements",
+                          {static_cast<Index>(values.size())});
+    }
+    std::copy(values.begin(), values.end(), data_.data());
+  }
+
+  T* data() { return data_.data(); }
+  const T* data() const { return data_.data(); }
+  const Shape& shape() const { return shape_; }
+  Index rank() const { return static_cast<Index>(shape_.size()); }
+  Index dim(Index axis) const { return shape_.at(static_cast<std::size_t>(axis)); }
+  Index size() const { return data_.size(); }
+  // A default-constructed tensor means "not given" where tensors are optional.
+  bool is_null() const { return shape_.empty() && data_.size() == 0; }
+
+  TensorView<T> view() { return TensorView<T>(data(), shape_); }
+  TensorView<const T> view() const { return TensorView<const T>(data(), shape_); }
+  operator TensorView<T>() { return view(); }              // NOLINT(google-explicit-constructor)
+  operator TensorView<const T>() const { return view(); }  // NOLINT(google-explicit-constructor)
+
+  typename TensorView<T>::MatrixMap matrix() { return view().matrix(); }
+  typename TensorView<const T>::MatrixMap matrix() const { return view().matrix(); }
+  TensorView<T> operator[](Index i) { return view()[i]; }
+  TensorView<const T> operator[](Index i) const { return view()[i]; }
+  template <class... Indices>
+  T& operator()(Indices... indices) {
+    return view()(indices...);
+  }
+  template <class... Indices>
+  const T& operator()(Indices... indices) const {
+    return view()(indices...);
+  }
+  // Flat access to the elements in row-major order.
+  Eigen::Map<Vector<T>> flat() { return Eigen::Map<Vector<T>>(data(), size()); }
+  Eigen::Map<const Vector<T>> flat() const { return Eigen::Map<const Vector<T>>(data(), size()); }
+
+  // Changes the shape, keeping the elements (their number must not change).
+  void reshape(Shape shape) {
+    if (detail::shape_size(shape) != size()) {
+      detail::throw_shape("reshape", std::to_string(size()) + " elements", shape);
+    }
+    shape_ = std::move(shape);
+  }
+  // Gives the tensor a new shape; the elements are unspecified afterwards. Keeps the storage
+  // when the number of elements does not change, so workspaces reused across calls with the
+  // same shapes do not allocate.
+  void resize(Shape shape) {
+    const Index n = detail::shape_size(shape);
+    if (n != data_.size()) data_.resize(n);
+    shape_ = std::move(shape);
+  }
+
+ private:
+  Shape shape_;
+  Vector<T> data_;
+};
+
+template <class T>
+TensorView<T> make_view(T* data, Shape shape) {
+  return TensorView<T>(data, std::move(shape));
+}
+
+}  // namespace mha

@@ -1,0 +1,117 @@
+// Shared test helpers: random tensors, and a comparison that checks the shape first, then the
+// values, and reports the worst element's index and the largest difference.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <sstream>
+#include <string>
+
+#include "catch.hpp"
+#include "mha/mha.hpp"
+
+namespace mha_test {
+
+using mha::Index;
+using mha::Shape;
+
+// Tolerances per scalar type: |actual - expected| <= atol + rtol * |expected|.
+template <class T>
+struct Tolerance;
+template <>
+struct Tolerance<float> {
+  static constexpr double rtol = 1e-5;
+  static constexpr double atol = 1e-6;
+};
+template <>
+struct Tolerance<double> {
+  static constexpr double rtol = 1e-11;
+  static constexpr double atol = 1e-12;
+};
+
+template <class T>
+mha::Tensor<T> random_tensor(const Shape& shape, std::uint64_t seed, double scale = 1.0) {
+  mha::Random random(seed);
+  mha::Tensor<T> tensor(shape);
+  for (Index i = 0; i < tensor.size(); ++i) {
+    tensor.data()[i] = static_cast<T>(scale * random.normal());
+  }
+  return tensor;
+}
+
+inline std::string flat_index_to_string(Index flat, const Shape& shape) {
+  Shape index(shape.size());
+  for (std::size_t a = shape.size(); a-- > 0;) {
+    index[a] = shape[a] == 0 ? 0 : flat % shape[a];
+    flat = shape[a] == 0 ? 0 : flat / shape[a];
+  }
+  return mha::detail::format_shape(index);
+}
+
+struct Comparison {
+  bool ok = true;
+  std::string message;
+};
+
+template <class T, class U>
+Comparison compare(mha::TensorView<const T> actual, mha::TensorView<const U> expected,
+                   double rtol = Tolerance<T>::rtol, double atol = Tolerance<T>::atol) {
+  Comparison result;
+  if (actual.shape() != expected.shape()) {
+    result.ok = false;
+    result.message = "shape " + mha::detail::format_shape(actual.shape()) + " != expected " +
+                     mha::detail::format_shape(expected.shape());
+    return result;
+  }
+  double worst_excess = -1.0, worst_diff = 0.0;
+  Index worst = -1;
+  Index failures = 0;
+  for (Index i = 0; i < actual.size(); ++i) {
+    const double a = static_cast<double>(actual.data()[i]);
+    const double e = static_cast<double>(expected.data()[i]);
+    const double diff = std::abs(a - e);
+    const double allowed = atol + rtol * std::abs(e);
+    const bool bad = !(diff <= allowed) || std::isnan(a) != std::isnan(e);
+    if (bad) ++failures;
+    const double excess = std::isnan(diff) ? 1e300 : diff - allowed;
+    if (excess > worst_excess || worst < 0) {
+      worst_excess = excess;
+      worst = i;
+      worst_diff = diff;
+    }
+  }
+  std::ostringstream out;
+  out.precision(10);
+  if (worst >= 0) {
+    out << failures << " of " << actual.size() << " elements out of tolerance (rtol " << rtol
+        << ", atol " << atol << "); worst at " << flat_index_to_string(worst, actual.shape())
+        << ": got " << actual.data()[worst] << ", expected " << expected.data()[worst]
+        << ", difference " << worst_diff;
+  }
+  result.ok = failures == 0;
+  result.message = out.str();
+  return result;
+}
+
+template <class T, class U>
+Comparison compare(const mha::Tensor<T>& actual, const mha::Tensor<U>& expected,
+                   double rtol = Tolerance<T>::rtol, double atol = Tolerance<T>::atol) {
+  return compare<T, U>(actual.view(), expected.view(), rtol, atol);
+}
+
+}  // namespace mha_test
+
+// CHECK that two tensors agree, printing the shape mismatch or the worst element.
+#define CHECK_TENSORS_CLOSE(actual, expected)                           \
+  do {                                                                   \
+    const auto mha_comparison = mha_test::compare((actual), (expected)); \
+    INFO(mha_comparison.message);                                        \
+    CHECK(mha_comparison.ok);                                            \
+  } while (false)
+
+#define CHECK_TENSORS_CLOSE_TOL(actual, expected, rtol, atol)                         \
+  do {                                                                                 \
+    const auto mha_comparison = mha_test::compare((actual), (expected), (rtol), (atol)); \
+    INFO(mha_comparison.message);                                                      \
+    CHECK(mha_comparison.ok);                                                          \
+  } while (false)

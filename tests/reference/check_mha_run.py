@@ -1,0 +1,348 @@
+#!/usr/bin/python3
+"""Out-of-sample check of the `mha_run IN OUT` command-line tool against torch 1.13.
+
+  /usr/bin/python3 tests/reference/check_mha_run.py --mha-run PATH/TO/mha_run [--count 200] [--seed 1]
+      Generates COUNT random configurations with generate.py (random shapes and options, float32 and
+      float64), runs `mha_run case.in.safetensors out.safetensors` on each and compares `output` and
+      `attn_weights` with torch's: |a - b| <= atol + rtol * |b| (float32: rtol 1e-5, atol 1e-6;
+      float64: rtol 1e-11, atol 1e-12).  Shapes and dtypes must match exactly; `attn_weights` must be
+      absent when need_weights is 0.
+
+  /usr/bin/python3 tests/reference/check_mha_run.py --mha-run PATH --cases-dir tests/reference/data
+      The same comparison over existing NAME.in / NAME.expected pairs (e.g. the committed fixtures).
+
+  /usr/bin/python3 tests/reference/check_mha_run.py --mha-run PATH --malformed
+      Writes malformed inputs (broken safetensors framing, bad header entries, missing or inconsistent
+      tensors, bad metadata) and checks that mha_run exits with status 1 (not killed by a signal) and
+      prints exactly one non-empty line on stderr.
+
+Every mode ends with a line "N passed, M failed"; the exit status is 0 only if nothing failed.
+"""
+
+import argparse
+import json
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import generate as gen  # noqa: E402
+
+TOLERANCES = {np.dtype(np.float32): (1e-5, 1e-6), np.dtype(np.float64): (1e-11, 1e-12)}
+
+
+def run_tool(mha_run, in_path, out_path, timeout):
+    try:
+        p = subprocess.run([mha_run, in_path, out_path], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, b"", b"timeout"
+    return p.returncode, p.stdout, p.stderr
+
+
+def describe_rc(rc):
+    if rc is None:
+        return "timed out"
+    if rc < 0:
+        return f"killed by signal {-rc}"
+    return f"exit status {rc}"
+
+
+def compare(expected, got, dtype):
+    """Returns a list of failure messages ([] when everything matches)."""
+    rtol, atol = TOLERANCES[dtype]
+    msgs = []
+    for name in sorted(set(got) - set(expected)):
+        msgs.append(f"{name}: unexpected tensor in the output file")
+    for name, b in expected.items():
+        if name not in got:
+            msgs.append(f"{name}: missing from the output file")
+            continue
+        a = got[name]
+        if a.dtype != b.dtype:
+            msgs.append(f"{name}: dtype {a.dtype}, expected {b.dtype}")
+            continue
+        if a.shape != b.shape:
+            msgs.append(f"{name}: shape {list(a.shape)}, expected {list(b.shape)}")
+            continue
+        if a.size == 0:
+            continue
+        a64, b64 = a.astype(np.float64), b.astype(np.float64)
+        diff = np.abs(a64 - b64)
+        bad = ~(diff <= atol + rtol * np.abs(b64))  # NaN counts as bad
+        if bad.any():
+            if np.isnan(diff).any():
+                idx = np.unravel_index(int(np.argmax(np.isnan(diff))), a.shape)
+                worst = "nan"
+            else:
+                idx = np.unravel_index(int(np.argmax(diff)), a.shape)
+                worst = f"{diff[idx]:.3e}"
+            msgs.append(f"{name}: max abs diff {worst} at index {list(int(i) for i in idx)} "
+                        f"(got {a64[idx]!r}, expected {b64[idx]!r}); {int(bad.sum())} of {a.size} elements "
+                        f"outside atol {atol:g} + rtol {rtol:g}")
+    return msgs
+
+
+def check_case(mha_run, name, in_path, expected, work_dir, timeout):
+    """Runs one valid case; returns a list of failure messages."""
+    out_path = os.path.join(work_dir, name + ".out.safetensors")
+    if os.path.exists(out_path):
+        os.remove(out_path)
+    rc, _, err = run_tool(mha_run, in_path, out_path, timeout)
+    if rc != 0:
+        line = err.decode("utf-8", "replace").strip().splitlines()
+        return [f"mha_run {describe_rc(rc)}: {line[0] if line else '(no stderr)'}"]
+    try:
+        got, _ = gen.read_safetensors(out_path)
+    except (OSError, gen.SafetensorsError) as e:
+        return [f"cannot read output file: {e}"]
+    return compare(expected, got, expected["output"].dtype)
+
+
+def report(name, msgs, summary=""):
+    for m in msgs:
+        print(f"FAIL {name}: {m}" + (f"   [{summary}]" if summary else ""))
+
+
+def run_random(args, work_dir):
+    specs = gen.random_specs(args.count, args.seed)
+    passed = failed = 0
+    for spec in specs:
+        inputs, meta, expected, _ = gen.build_case(spec)
+        in_path = os.path.join(work_dir, spec.name + ".in.safetensors")
+        gen.write_safetensors(in_path, inputs, meta)
+        msgs = check_case(args.mha_run, spec.name, in_path, expected, work_dir, args.timeout)
+        if msgs:
+            failed += 1
+            report(spec.name, msgs, spec.summary())
+        else:
+            passed += 1
+            if args.verbose:
+                print(f"ok   {spec.name}: {spec.summary()}")
+    return passed, failed
+
+
+def run_cases_dir(args, work_dir):
+    names = sorted(f[:-len(".in.safetensors")] for f in os.listdir(args.cases_dir)
+                   if f.endswith(".in.safetensors"))
+    if not names:
+        print(f"no *.in.safetensors in {args.cases_dir}")
+        return 0, 1
+    passed = failed = 0
+    for name in names:
+        in_path = os.path.join(args.cases_dir, name + ".in.safetensors")
+        expected, _ = gen.read_safetensors(os.path.join(args.cases_dir, name + ".expected.safetensors"))
+        msgs = check_case(args.mha_run, name, in_path, expected, work_dir, args.timeout)
+        if msgs:
+            failed += 1
+            report(name, msgs)
+        else:
+            passed += 1
+            if args.verbose:
+                print(f"ok   {name}")
+    return passed, failed
+
+
+# ----------------------------------------------------------------------------------------------
+# malformed inputs
+
+def _layout(tensors):
+    """Header dict (without metadata) and data buffer for tensors, in insertion order."""
+    header, chunks, off = {}, [], 0
+    for name, arr in tensors.items():
+        st = gen._NP_TO_ST[arr.dtype]
+        data = np.ascontiguousarray(arr).tobytes()
+        header[name] = {"dtype": st, "shape": list(arr.shape), "data_offsets": [off, off + len(data)]}
+        chunks.append(data)
+        off += len(data)
+    return header, b"".join(chunks)
+
+
+def _file(header, buf, meta):
+    h = dict(header)
+    if meta is not None:
+        h["__metadata__"] = meta
+    return gen.pack_safetensors(json.dumps(h).encode(), buf)
+
+
+def malformed_inputs():
+    """[(name, bytes or None for 'file does not exist')]; the first entry is the valid base case."""
+    base = gen.Spec("malformed_base", "", dtype="f32", B=2, L=3, S=4, E=8, H=2, attn_mask="float2d",
+                    kpm="bool", seed=12345)
+    t, meta, _, _ = gen.build_case(base)
+    t = dict(t)
+
+    def with_tensors(**changes):
+        tt = dict(t)
+        for k, v in changes.items():
+            k = k.replace("__", ".")
+            if v is None:
+                tt.pop(k)
+            else:
+                tt[k] = v
+        return tt
+
+    def with_meta(**changes):
+        m = dict(meta)
+        for k, v in changes.items():
+            if v is None:
+                m.pop(k)
+            else:
+                m[k] = v
+        return m
+
+    def edit_header(fn):
+        header, buf = _layout(t)
+        fn(header)
+        return _file(header, buf, meta)
+
+    valid = gen.safetensors_bytes(t, meta)
+    header, buf = _layout(t)
+    f32 = np.float32
+    cases = []
+    add = lambda name, blob: cases.append((name, blob))  # noqa: E731
+
+    add("control_valid_input", valid)
+    # framing
+    add("empty_file", b"")
+    add("short_length_prefix", valid[:5])
+    add("header_length_exceeds_file", struct.pack("<Q", len(valid)) + valid[8:])
+    add("header_length_huge", struct.pack("<Q", 2**64 - 1) + valid[8:])
+    add("truncated_in_header", valid[:40])
+    add("truncated_data", valid[:-10])
+    add("invalid_json", gen.pack_safetensors(b'{"query": {"dtype": "F32", ', buf))
+    add("header_not_object", gen.pack_safetensors(b"[1, 2, 3]", buf))
+    # header entries
+    add("offsets_out_of_range", edit_header(
+        lambda h: h["query"].update(data_offsets=[len(buf), len(buf) + 4 * 2 * 3 * 8])))
+    add("offsets_reversed", edit_header(
+        lambda h: h["query"].update(data_offsets=h["query"]["data_offsets"][::-1])))
+    add("offsets_size_mismatch", edit_header(lambda h: h["query"].update(shape=[2, 3, 7])))
+
+    def overlap(h):  # key starts 16 bytes inside the tensor stored before it
+        b, e = h["key"]["data_offsets"]
+        h["key"]["data_offsets"] = [b - 16, e - 16]
+    add("overlapping_tensors", edit_header(overlap))
+    add("unknown_dtype", edit_header(lambda h: h["query"].update(dtype="X9")))
+    add("negative_dimension", edit_header(lambda h: h["query"].update(shape=[-2, 3, -8])))
+    add("query_dtype_I32", edit_header(lambda h: h["query"].update(dtype="I32")))
+    add("metadata_not_string", _file(header, buf, with_meta(num_heads=2)))
+    # tensors
+    add("missing_query", gen.safetensors_bytes(with_tensors(query=None), meta))
+    add("missing_value", gen.safetensors_bytes(with_tensors(value=None), meta))
+    add("missing_in_proj_weight", gen.safetensors_bytes(with_tensors(in_proj_weight=None), meta))
+    add("missing_out_proj_weight", gen.safetensors_bytes(with_tensors(out_proj__weight=None), meta))
+    add("query_rank_4", gen.safetensors_bytes(with_tensors(query=t["query"][None]), meta))
+    add("key_rank_mismatch", gen.safetensors_bytes(with_tensors(key=t["key"][0], value=t["value"][0]), meta))
+    add("key_feature_dim_mismatch", gen.safetensors_bytes(with_tensors(key=t["key"][:, :, :6]), meta))
+    add("key_value_length_mismatch", gen.safetensors_bytes(with_tensors(value=t["value"][:, :3]), meta))
+    add("batch_mismatch", gen.safetensors_bytes(
+        with_tensors(key=np.concatenate([t["key"], t["key"][:1]]),
+                     value=np.concatenate([t["value"], t["value"][:1]])), meta))
+    add("in_proj_weight_wrong_shape", gen.safetensors_bytes(
+        with_tensors(in_proj_weight=t["in_proj_weight"][:16]), meta))
+    add("in_proj_bias_wrong_shape", gen.safetensors_bytes(
+        with_tensors(in_proj_bias=t["in_proj_bias"][:8]), meta))
+    add("bias_k_without_bias_v", gen.safetensors_bytes(
+        with_tensors(bias_k=np.zeros((1, 1, 8), f32)), meta))
+    add("float_dtype_mismatch", gen.safetensors_bytes(
+        with_tensors(key=t["key"].astype(np.float64), value=t["value"].astype(np.float64)), meta))
+    add("mask_dtype_mismatch", gen.safetensors_bytes(
+        with_tensors(attn_mask=t["attn_mask"].astype(np.float64)), meta))
+    add("key_padding_mask_wrong_shape", gen.safetensors_bytes(
+        with_tensors(key_padding_mask=np.zeros((2, 5), bool)), meta))
+    add("attn_mask_wrong_shape", gen.safetensors_bytes(
+        with_tensors(attn_mask=np.zeros((3, 5), f32)), meta))
+    add("attn_mask_3d_wrong_first_dim", gen.safetensors_bytes(
+        with_tensors(attn_mask=np.zeros((3, 3, 4), f32)), meta))
+    # metadata
+    add("missing_metadata", gen.safetensors_bytes(t, None))
+    add("missing_num_heads", gen.safetensors_bytes(t, with_meta(num_heads=None)))
+    add("num_heads_not_dividing_E", gen.safetensors_bytes(t, with_meta(num_heads="3")))
+    add("num_heads_zero", gen.safetensors_bytes(t, with_meta(num_heads="0")))
+    add("num_heads_not_a_number", gen.safetensors_bytes(t, with_meta(num_heads="two")))
+    add("need_weights_2", gen.safetensors_bytes(t, with_meta(need_weights="2")))
+    add("is_causal_yes", gen.safetensors_bytes(t, with_meta(is_causal="yes")))
+    add("add_zero_attn_empty", gen.safetensors_bytes(t, with_meta(add_zero_attn="")))
+    add("nonexistent_input_file", None)
+    return cases
+
+
+def run_malformed(args, work_dir):
+    passed = failed = 0
+    cases = malformed_inputs()
+    # control: the unmodified base case must be accepted, else every rejection below means nothing
+    name, blob = cases.pop(0)
+    in_path, out_path = (os.path.join(work_dir, name + ext) for ext in (".in.safetensors", ".out.safetensors"))
+    with open(in_path, "wb") as f:
+        f.write(blob)
+    rc, _, err = run_tool(args.mha_run, in_path, out_path, args.timeout)
+    if rc != 0:
+        failed += 1
+        report(name, [f"valid control input rejected: {describe_rc(rc)}: {err.decode('utf-8', 'replace').strip()}"])
+    else:
+        passed += 1
+    for name, blob in cases:
+        in_path = os.path.join(work_dir, name + ".in.safetensors")
+        if blob is not None:
+            with open(in_path, "wb") as f:
+                f.write(blob)
+        elif os.path.exists(in_path):
+            os.remove(in_path)
+        out_path = os.path.join(work_dir, name + ".out.safetensors")
+        rc, _, err = run_tool(args.mha_run, in_path, out_path, args.timeout)
+        lines = err.decode("utf-8", "replace").splitlines()
+        problems = []
+        if rc != 1:
+            problems.append(f"{describe_rc(rc)}, expected exit status 1")
+        if len(lines) != 1 or not lines[0].strip():
+            problems.append(f"stderr has {len(lines)} lines, expected exactly one non-empty line: {lines[:3]!r}")
+        if problems:
+            failed += 1
+            report(name, problems)
+        else:
+            passed += 1
+            if args.verbose:
+                print(f"ok   {name}: {lines[0]}")
+    return passed, failed
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--mha-run", required=True, help="path to the mha_run binary")
+    ap.add_argument("--count", type=int, default=200, help="number of random cases (default: %(default)s)")
+    ap.add_argument("--seed", type=int, default=1, help="seed of the random cases (default: %(default)s)")
+    ap.add_argument("--malformed", action="store_true", help="check malformed inputs instead")
+    ap.add_argument("--cases-dir", metavar="DIR", help="check existing NAME.in/NAME.expected pairs in DIR instead")
+    ap.add_argument("--keep", metavar="DIR", help="write the cases and outputs to DIR and keep them")
+    ap.add_argument("--timeout", type=float, default=60.0, help="seconds per mha_run call (default: %(default)s)")
+    ap.add_argument("-v", "--verbose", action="store_true", help="also list passing cases")
+    args = ap.parse_args(argv)
+    if not (os.path.isfile(args.mha_run) and os.access(args.mha_run, os.X_OK)):
+        ap.error(f"not an executable file: {args.mha_run}")
+    args.mha_run = os.path.abspath(args.mha_run)
+
+    def go(work_dir):
+        if args.malformed:
+            return run_malformed(args, work_dir)
+        if args.cases_dir:
+            return run_cases_dir(args, work_dir)
+        return run_random(args, work_dir)
+
+    if args.keep:
+        os.makedirs(args.keep, exist_ok=True)
+        passed, failed = go(args.keep)
+    else:
+        with tempfile.TemporaryDirectory(prefix="check_mha_run_") as d:
+            passed, failed = go(d)
+    print(f"{passed} passed, {failed} failed")
+    return 0 if failed == 0 and passed > 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

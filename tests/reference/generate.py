@@ -1,0 +1,621 @@
+#!/usr/bin/python3
+"""Reference fixtures for mha, computed by real torch.nn.MultiheadAttention.
+
+For every case NAME two safetensors files are written:
+
+  NAME.in.safetensors        the input of `mha_run IN OUT`: module parameters under their
+                             state_dict names, query/key/value, optional masks, and metadata
+                             num_heads, add_zero_attn, need_weights, average_attn_weights, is_causal.
+  NAME.expected.safetensors  `output` and (need_weights=1) `attn_weights` as returned by torch,
+                             the same metadata plus a "description".
+
+Usage:
+  /usr/bin/python3 tests/reference/generate.py [--out DIR]            # the committed fixtures
+  /usr/bin/python3 tests/reference/generate.py --random N --seed K --out DIR
+
+Dimension letters: B batch, L query length, S key length, E embed dim, H heads, D = E / H,
+kdim / vdim the key / value feature sizes, S' = S + add_bias_kv + add_zero_attn.
+
+Torch here is Debian's python3-torch 1.13, but the target semantics are PyTorch 2.x. Where they differ
+(only in how masks are merged), the expected values are still computed by torch itself, on masks we merge
+beforehand into a form 1.13 handles exactly as 2.x does. Behaviour of torch 1.13 verified on this machine:
+
+  * float key_padding_mask alone: 1.13 uses it as attn_mask directly (added to the scores), identical to
+    2.x.  Passed to torch unchanged.
+  * bool attn_mask + float key_padding_mask: 1.13 does attn_mask.logical_or(key_padding_mask), i.e. every
+    nonzero float becomes "blocked" (rows turn into NaN).  WRONG for 2.x semantics.
+  * float attn_mask + float key_padding_mask: 1.13 does attn_mask.masked_fill(key_padding_mask, -inf)
+    and raises "Mask tensor can take 0 and 1 values only".  Refused.
+    => whenever key_padding_mask is float and there is any attn_mask (including the causal mask we
+       build for is_causal=1), we fold everything into one float attn_mask of shape [B*H, L, S]
+       ([H, L, S] unbatched): bool -> 0 / -inf, plus key_padding_mask[b, :] broadcast over heads and
+       queries, and call torch with key_padding_mask=None.  2.x itself adds the two float masks.
+  * float attn_mask + bool key_padding_mask: masked_fill(-inf), same as 2.x adding -inf.  Unchanged.
+  * bool attn_mask + bool key_padding_mask: logical_or, same as 2.x.  Unchanged.
+  * is_causal: not used from torch (1.13's MHA has no is_causal; in 2.x it is only a hint).  We build the
+    top-left causal mask (blocked where j > i) as [L, S] bool and OR it into a bool attn_mask, or set
+    -inf in a float attn_mask, and pass that as attn_mask.  The .in file keeps the original attn_mask.
+  * unbatched (L, E) input with batch_first=True: supported by 1.13 (masks lose the batch axis, a 3-D
+    attn_mask is [H, L, S]); checked equal to a batch of 1.  Called directly, no workaround needed.
+  * The module is run in eval mode (dropout 0) with autograd enabled and parameters requiring grad, so
+    1.13's "fast path" (torch._native_multi_head_attention) is never taken; the regular
+    F.multi_head_attention_forward is used.  Results are detached.
+  * Fully masked query rows give NaN in torch (the library gives 0): masks are redrawn until no row
+    (per batch, head and query) has every key blocked.  With add_bias_kv or add_zero_attn there is
+    always an unblocked extra column, so such rows cannot occur.
+"""
+
+import argparse
+import json
+import os
+import struct
+import sys
+import zlib
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+# ----------------------------------------------------------------------------------------------
+# safetensors I/O (the python package is not available here)
+
+_NP_TO_ST = {np.dtype(np.float32): "F32", np.dtype(np.float64): "F64", np.dtype(np.bool_): "BOOL"}
+_ST_TO_NP = {"F32": np.dtype("<f4"), "F64": np.dtype("<f8"), "BOOL": np.dtype(np.bool_)}
+
+
+def safetensors_bytes(tensors, metadata=None):
+    """Serialise {name: np.ndarray} (+ {str: str} metadata) to safetensors bytes."""
+    header = {}
+    chunks = []
+    offset = 0
+    for name, arr in tensors.items():
+        arr = np.asarray(arr)
+        if arr.dtype not in _NP_TO_ST:
+            raise TypeError(f"{name}: unsupported dtype {arr.dtype}")
+        st = _NP_TO_ST[arr.dtype]
+        data = np.ascontiguousarray(arr.astype(_ST_TO_NP[st], copy=False)).tobytes()
+        header[name] = {"dtype": st, "shape": [int(d) for d in arr.shape],
+                        "data_offsets": [offset, offset + len(data)]}
+        chunks.append(data)
+        offset += len(data)
+    if metadata:
+        for k, v in metadata.items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                raise TypeError("metadata must map str to str")
+        header["__metadata__"] = dict(metadata)
+    return pack_safetensors(json.dumps(header, separators=(",", ":")).encode("utf-8"), b"".join(chunks))
+
+
+def pack_safetensors(header_json_bytes, buffer, pad=True):
+    """8-byte LE length + header (space-padded to a multiple of 8) + buffer."""
+    if pad:
+        header_json_bytes = header_json_bytes + b" " * ((-len(header_json_bytes)) % 8)
+    return struct.pack("<Q", len(header_json_bytes)) + header_json_bytes + buffer
+
+
+def write_safetensors(path, tensors, metadata=None):
+    with open(path, "wb") as f:
+        f.write(safetensors_bytes(tensors, metadata))
+
+
+class SafetensorsError(ValueError):
+    pass
+
+
+def parse_safetensors(blob):
+    """Strictly parse safetensors bytes -> (dict name -> np.ndarray, metadata dict)."""
+    if len(blob) < 8:
+        raise SafetensorsError(f"file too short ({len(blob)} bytes)")
+    (n,) = struct.unpack("<Q", blob[:8])
+    if n > len(blob) - 8:
+        raise SafetensorsError(f"header length {n} exceeds file size {len(blob)}")
+    try:
+        header = json.loads(blob[8:8 + n].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SafetensorsError(f"invalid header JSON: {e}")
+    if not isinstance(header, dict):
+        raise SafetensorsError("header is not a JSON object")
+    buf = blob[8 + n:]
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise SafetensorsError("__metadata__ must map strings to strings")
+    tensors = {}
+    spans = []
+    for name, info in header.items():
+        try:
+            dt = _ST_TO_NP[info["dtype"]]
+            shape = tuple(int(d) for d in info["shape"])
+            b, e = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as ex:
+            raise SafetensorsError(f"tensor {name!r}: bad header entry {info!r} ({ex})")
+        if any(d < 0 for d in shape):
+            raise SafetensorsError(f"tensor {name!r}: negative dimension")
+        if not (0 <= b <= e <= len(buf)):
+            raise SafetensorsError(f"tensor {name!r}: offsets [{b}, {e}] outside buffer of {len(buf)}")
+        count = int(np.prod(shape, dtype=np.int64))
+        if e - b != count * dt.itemsize:
+            raise SafetensorsError(f"tensor {name!r}: {e - b} bytes for shape {shape} {info['dtype']}")
+        raw = np.frombuffer(buf[b:e], dtype=np.uint8 if dt == np.bool_ else dt)
+        if dt == np.bool_:
+            if np.any(raw > 1):
+                raise SafetensorsError(f"tensor {name!r}: BOOL byte not 0/1")
+            raw = raw.astype(np.bool_)
+        tensors[name] = raw.reshape(shape).copy()
+        spans.append((b, e, name))
+    spans.sort()
+    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise SafetensorsError(f"tensors {n0!r} and {n1!r} overlap")
+    return tensors, metadata
+
+
+def read_safetensors(path):
+    with open(path, "rb") as f:
+        return parse_safetensors(f.read())
+
+
+# ----------------------------------------------------------------------------------------------
+# case description
+
+class Spec:
+    """One test configuration.  B=None means unbatched input."""
+
+    def __init__(self, name, description, dtype="f32", B=2, L=4, S=None, E=8, H=2, kdim=None,
+                 vdim=None, bias=True, add_bias_kv=False, add_zero_attn=False, self_attn=False,
+                 attn_mask=None, attn_inf=False, kpm=None, kpm_inf=False, is_causal=False,
+                 need_weights=True, average=True, meta="full", seed=None):
+        assert dtype in ("f32", "f64")
+        assert attn_mask in (None, "bool2d", "bool3d", "float2d", "float3d")
+        assert kpm in (None, "bool", "float")
+        assert meta in ("full", "minimal")
+        self.name, self.description, self.dtype = name, description, dtype
+        self.B, self.L, self.E, self.H = B, L, E, H
+        self.S = L if S is None else S
+        self.kdim = E if kdim is None else kdim
+        self.vdim = E if vdim is None else vdim
+        self.bias, self.add_bias_kv, self.add_zero_attn = bias, add_bias_kv, add_zero_attn
+        self.self_attn = self_attn
+        if self_attn:
+            assert self.S == L and self.kdim == E and self.vdim == E, name
+        self.attn_mask, self.attn_inf, self.kpm, self.kpm_inf = attn_mask, attn_inf, kpm, kpm_inf
+        self.is_causal, self.need_weights, self.average = is_causal, need_weights, average
+        self.meta = meta
+        assert E % H == 0, name
+        self.seed = zlib.crc32(name.encode()) if seed is None else seed
+
+    def metadata(self):
+        full = {"num_heads": str(self.H),
+                "add_zero_attn": "1" if self.add_zero_attn else "0",
+                "need_weights": "1" if self.need_weights else "0",
+                "average_attn_weights": "1" if self.average else "0",
+                "is_causal": "1" if self.is_causal else "0"}
+        if self.meta == "full":
+            return full
+        defaults = {"add_zero_attn": "0", "need_weights": "1", "average_attn_weights": "1", "is_causal": "0"}
+        return {k: v for k, v in full.items() if k == "num_heads" or defaults[k] != v}
+
+    def summary(self):
+        parts = [self.dtype, "unbatched" if self.B is None else f"B={self.B}",
+                 f"L={self.L} S={self.S} E={self.E} H={self.H}"]
+        if self.kdim != self.E or self.vdim != self.E:
+            parts.append(f"kdim={self.kdim} vdim={self.vdim}")
+        parts.append("self" if self.self_attn else "cross")
+        if not self.bias:
+            parts.append("no-bias")
+        if self.add_bias_kv:
+            parts.append("bias_kv")
+        if self.add_zero_attn:
+            parts.append("zero_attn")
+        if self.attn_mask:
+            parts.append("attn_mask=" + self.attn_mask + ("(-inf)" if self.attn_inf else ""))
+        if self.kpm:
+            parts.append("kpm=" + self.kpm + ("(-inf)" if self.kpm_inf else ""))
+        if self.is_causal:
+            parts.append("causal")
+        if not self.need_weights:
+            parts.append("no-weights")
+        elif not self.average:
+            parts.append("per-head")
+        return " ".join(parts)
+
+
+# ----------------------------------------------------------------------------------------------
+# building one case
+
+def _blocked(spec, attn_mask, kpm):
+    """[B, H, L, S] bool: which score entries are -inf (before bias_kv / zero_attn columns)."""
+    B = 1 if spec.B is None else spec.B
+    H, L, S = spec.H, spec.L, spec.S
+    blocked = np.zeros((B, H, L, S), dtype=bool)
+    if attn_mask is not None:
+        am = attn_mask if attn_mask.dtype == np.bool_ else np.isneginf(attn_mask)
+        blocked |= am.reshape((B, H, L, S)) if am.ndim == 3 else am[None, None]
+    if kpm is not None:
+        kp = kpm if kpm.dtype == np.bool_ else np.isneginf(kpm)
+        blocked |= kp.reshape(B, 1, 1, S)
+    if spec.is_causal:
+        blocked |= causal_mask(L, S)[None, None]
+    return blocked
+
+
+def causal_mask(L, S):
+    """Top-left causal mask, True = blocked: query i may see key j only if j <= i."""
+    return np.triu(np.ones((L, S), dtype=bool), k=1)
+
+
+def _draw_masks(spec, rng, fdt):
+    """Random masks without fully masked rows (redrawn until none)."""
+    B = 1 if spec.B is None else spec.B
+    H, L, S = spec.H, spec.L, spec.S
+    batch_axis = () if spec.B is None else (B,)
+    for attempt in range(10000):
+        p = 0.3 if attempt < 2000 else 0.1
+        attn_mask = kpm = None
+        if spec.attn_mask is not None:
+            shape = (L, S) if spec.attn_mask.endswith("2d") else (B * H, L, S)
+            if spec.attn_mask.startswith("bool"):
+                attn_mask = rng.random(shape) < p
+            else:
+                attn_mask = rng.normal(0.0, 1.0, shape).astype(fdt)
+                if spec.attn_inf:
+                    attn_mask[rng.random(shape) < p] = -np.inf
+        if spec.kpm is not None:
+            shape = batch_axis + (S,)
+            if spec.kpm == "bool":
+                kpm = rng.random(shape) < p
+            else:
+                kpm = rng.normal(0.0, 1.0, shape).astype(fdt)
+                if spec.kpm_inf:
+                    kpm[rng.random(shape) < p] = -np.inf
+        # masks should really block something where that is their point
+        def blocks_some(m):
+            return m.any() if m.dtype == np.bool_ else np.isneginf(m).any()
+        want_inf_attn = spec.attn_mask is not None and (spec.attn_mask.startswith("bool") or spec.attn_inf)
+        want_inf_kpm = spec.kpm is not None and (spec.kpm == "bool" or spec.kpm_inf)
+        if attempt < 5000:
+            if want_inf_attn and not blocks_some(attn_mask):
+                continue
+            if want_inf_kpm and not blocks_some(kpm):
+                continue
+        if spec.add_bias_kv or spec.add_zero_attn:
+            return attn_mask, kpm
+        if not _blocked(spec, attn_mask, kpm).all(axis=-1).any():
+            return attn_mask, kpm
+    raise RuntimeError(f"{spec.name}: could not draw masks without fully masked rows")
+
+
+def _torch_masks(spec, attn_mask, kpm, tdt):
+    """Masks to hand to torch 1.13 so that it computes the 2.x result (see module docstring)."""
+    B, H, L, S = spec.B, spec.H, spec.L, spec.S
+    am = None if attn_mask is None else torch.from_numpy(attn_mask)
+    kp = None if kpm is None else torch.from_numpy(kpm)
+    if spec.is_causal:
+        c = torch.from_numpy(causal_mask(L, S))
+        if am is None:
+            am = c
+        elif am.dtype == torch.bool:
+            am = am | c  # broadcasts over a leading [B*H] axis
+        else:
+            am = am.masked_fill(c, float("-inf"))
+    if kp is not None and kp.dtype != torch.bool and am is not None:
+        # fold the float key_padding_mask into a float attn_mask [B*H, L, S] ([H, L, S] unbatched)
+        if am.dtype == torch.bool:
+            am = torch.zeros(am.shape, dtype=tdt).masked_fill(am, float("-inf"))
+        nb = 1 if B is None else B
+        kp4 = kp.reshape(nb, 1, 1, S).expand(nb, H, L, S)
+        am = am.expand(nb * H, L, S) if am.dim() == 2 else am
+        am = (am.reshape(nb, H, L, S) + kp4).reshape(nb * H, L, S)
+        if B is None:
+            am = am.reshape(H, L, S)
+        kp = None
+    return am, kp
+
+
+def build_case(spec):
+    """Returns (in_tensors, in_metadata, expected_tensors, expected_metadata)."""
+    rng = np.random.default_rng(spec.seed)
+    fdt = np.float32 if spec.dtype == "f32" else np.float64
+    tdt = torch.float32 if spec.dtype == "f32" else torch.float64
+    E, H, L, S, kdim, vdim = spec.E, spec.H, spec.L, spec.S, spec.kdim, spec.vdim
+    lead = () if spec.B is None else (spec.B,)
+
+    mha = nn.MultiheadAttention(E, H, dropout=0.0, bias=spec.bias, add_bias_kv=spec.add_bias_kv,
+                                add_zero_attn=spec.add_zero_attn, kdim=kdim, vdim=vdim,
+                                batch_first=True, dtype=tdt)
+    mha.eval()
+    params = {}
+    with torch.no_grad():
+        for name, p in sorted(mha.state_dict(keep_vars=True).items()):
+            # every parameter random, biases included (torch initialises them to zero)
+            val = rng.normal(0.0, 0.5, tuple(p.shape)).astype(fdt)
+            p.copy_(torch.from_numpy(val))
+            params[name] = val
+    expected_names = {"out_proj.weight"}
+    expected_names |= {"in_proj_weight"} if (kdim == E and vdim == E) else \
+        {"q_proj_weight", "k_proj_weight", "v_proj_weight"}
+    if spec.bias:
+        expected_names |= {"in_proj_bias", "out_proj.bias"}
+    if spec.add_bias_kv:
+        expected_names |= {"bias_k", "bias_v"}
+    assert set(params) == expected_names, (spec.name, sorted(params))
+
+    query = rng.normal(0.0, 1.0, lead + (L, E)).astype(fdt)
+    if spec.self_attn:
+        key = value = query
+    else:
+        key = rng.normal(0.0, 1.0, lead + (S, kdim)).astype(fdt)
+        value = rng.normal(0.0, 1.0, lead + (S, vdim)).astype(fdt)
+    attn_mask, kpm = _draw_masks(spec, rng, fdt)
+
+    # torch computation
+    tq = torch.from_numpy(query)
+    tk = tq if spec.self_attn else torch.from_numpy(key)
+    tv = tq if spec.self_attn else torch.from_numpy(value)
+    am, kp = _torch_masks(spec, attn_mask, kpm, tdt)
+    with torch.enable_grad():  # keeps 1.13 off its fast path
+        assert all(p.requires_grad for p in mha.parameters())
+        out, weights = mha(tq, tk, tv, key_padding_mask=kp, need_weights=spec.need_weights,
+                           attn_mask=am, average_attn_weights=spec.average)
+    out = out.detach().numpy().astype(fdt)
+    assert out.shape == lead + (L, E), (spec.name, out.shape)
+    expected = {"output": out}
+    s_prime = S + int(spec.add_bias_kv) + int(spec.add_zero_attn)
+    if spec.need_weights:
+        weights = weights.detach().numpy().astype(fdt)
+        wshape = lead + ((L, s_prime) if spec.average else (H, L, s_prime))
+        assert weights.shape == wshape, (spec.name, weights.shape, wshape)
+        expected["attn_weights"] = weights
+    else:
+        assert weights is None
+    for n, t in expected.items():
+        if not np.isfinite(t).all():
+            raise RuntimeError(f"{spec.name}: {n} has non-finite values")
+
+    inputs = dict(params)
+    inputs["query"] = query
+    inputs["key"] = key
+    inputs["value"] = value
+    if kpm is not None:
+        inputs["key_padding_mask"] = kpm
+    if attn_mask is not None:
+        inputs["attn_mask"] = attn_mask
+    meta = spec.metadata()
+    exp_meta = dict(meta)
+    exp_meta["description"] = spec.description
+    return inputs, meta, expected, exp_meta
+
+
+def write_case(spec, out_dir):
+    inputs, meta, expected, exp_meta = build_case(spec)
+    in_path = os.path.join(out_dir, spec.name + ".in.safetensors")
+    exp_path = os.path.join(out_dir, spec.name + ".expected.safetensors")
+    write_safetensors(in_path, inputs, meta)
+    write_safetensors(exp_path, expected, exp_meta)
+    return in_path, exp_path
+
+
+# ----------------------------------------------------------------------------------------------
+# the committed cases
+
+def fixed_cases():
+    C = Spec
+    return [
+        # plain self / cross attention, bias on and off
+        C("f32_self_basic", "self-attention, in_proj packed, biases, averaged weights",
+          dtype="f32", B=2, L=5, E=8, H=2, self_attn=True),
+        C("f64_self_basic", "self-attention, in_proj packed, biases, averaged weights",
+          dtype="f64", B=2, L=5, E=8, H=2, self_attn=True),
+        C("f32_cross_L_ne_S", "cross-attention with different key and value tensors, L != S",
+          dtype="f32", B=2, L=3, S=6, E=8, H=2),
+        C("f64_cross_L_gt_S", "cross-attention, L > S",
+          dtype="f64", B=2, L=7, S=3, E=8, H=4),
+        C("f32_no_bias_self_per_head", "bias=False (no in_proj_bias / out_proj.bias), per-head weights",
+          dtype="f32", B=2, L=4, E=8, H=2, bias=False, self_attn=True, average=False),
+        C("f64_no_bias_cross", "bias=False, cross-attention",
+          dtype="f64", B=2, L=3, S=5, E=8, H=2, bias=False),
+        # kdim / vdim
+        C("f32_kdim_vdim", "kdim and vdim different from E and each other (q/k/v_proj_weight)",
+          dtype="f32", B=2, L=4, S=6, E=8, H=2, kdim=5, vdim=3),
+        C("f64_kdim_vdim_per_head", "kdim=6, vdim=11, per-head weights",
+          dtype="f64", B=2, L=3, S=5, E=8, H=4, kdim=6, vdim=11, average=False),
+        C("f32_kdim_only", "only kdim differs (separate projection weights, vdim == E)",
+          dtype="f32", B=2, L=4, S=4, E=8, H=2, kdim=6),
+        C("f64_vdim_only_no_bias", "only vdim differs, bias=False",
+          dtype="f64", B=1, L=3, S=6, E=8, H=2, vdim=12, bias=False),
+        # add_bias_kv / add_zero_attn
+        C("f32_bias_kv", "add_bias_kv: bias_k/bias_v appended to the keys/values",
+          dtype="f32", B=2, L=4, S=5, E=8, H=2, add_bias_kv=True),
+        C("f64_bias_kv_no_bias_self", "add_bias_kv with bias=False, self-attention",
+          dtype="f64", B=2, L=5, E=8, H=2, bias=False, add_bias_kv=True, self_attn=True),
+        C("f32_zero_attn", "add_zero_attn: a zero key/value per head",
+          dtype="f32", B=2, L=4, S=5, E=8, H=2, add_zero_attn=True),
+        C("f64_zero_attn_per_head", "add_zero_attn, per-head weights",
+          dtype="f64", B=2, L=4, S=3, E=8, H=2, add_zero_attn=True, average=False),
+        C("f32_bias_kv_zero_attn_per_head", "add_bias_kv and add_zero_attn together, per-head weights",
+          dtype="f32", B=2, L=4, S=5, E=8, H=2, add_bias_kv=True, add_zero_attn=True, average=False),
+        C("f64_bias_kv_zero_attn_kdim_vdim", "add_bias_kv + add_zero_attn with kdim/vdim != E",
+          dtype="f64", B=2, L=3, S=4, E=8, H=2, kdim=5, vdim=7, add_bias_kv=True, add_zero_attn=True),
+        # attn_mask
+        C("f32_attn_mask_bool_2d", "bool attn_mask [L,S], True = blocked",
+          dtype="f32", B=2, L=5, S=6, E=8, H=2, attn_mask="bool2d"),
+        C("f64_attn_mask_bool_3d", "bool attn_mask [B*H,L,S] (index b*H+h), per-head weights",
+          dtype="f64", B=2, L=4, S=5, E=8, H=2, attn_mask="bool3d", average=False),
+        C("f32_attn_mask_float_2d", "float additive attn_mask [L,S], finite values",
+          dtype="f32", B=2, L=4, S=5, E=8, H=2, attn_mask="float2d"),
+        C("f64_attn_mask_float_2d_inf", "float additive attn_mask [L,S] with some -inf entries",
+          dtype="f64", B=2, L=5, S=5, E=8, H=2, attn_mask="float2d", attn_inf=True, self_attn=True),
+        C("f32_attn_mask_float_3d_inf", "float attn_mask [B*H,L,S] with -inf entries, per-head weights",
+          dtype="f32", B=2, L=4, S=6, E=8, H=2, attn_mask="float3d", attn_inf=True, average=False),
+        C("f64_attn_mask_float_3d", "float attn_mask [B*H,L,S], finite",
+          dtype="f64", B=2, L=3, S=4, E=12, H=3, attn_mask="float3d"),
+        # key_padding_mask
+        C("f32_kpm_bool", "bool key_padding_mask [B,S], True = padding",
+          dtype="f32", B=2, L=4, S=6, E=8, H=2, kpm="bool"),
+        C("f64_kpm_bool_self_per_head", "bool key_padding_mask, self-attention, per-head weights",
+          dtype="f64", B=2, L=6, E=8, H=2, kpm="bool", self_attn=True, average=False),
+        C("f32_kpm_float_inf", "float additive key_padding_mask [B,S] with -inf entries (2.x semantics)",
+          dtype="f32", B=2, L=4, S=6, E=8, H=2, kpm="float", kpm_inf=True),
+        C("f64_kpm_float", "float additive key_padding_mask [B,S], finite values (2.x semantics)",
+          dtype="f64", B=2, L=3, S=5, E=8, H=2, kpm="float"),
+        # both masks
+        C("f32_masks_bool_bool", "bool attn_mask [L,S] + bool key_padding_mask",
+          dtype="f32", B=2, L=5, S=6, E=8, H=2, attn_mask="bool2d", kpm="bool"),
+        C("f64_masks_float3d_float", "float attn_mask [B*H,L,S] (-inf) + float key_padding_mask (added)",
+          dtype="f64", B=2, L=4, S=5, E=8, H=2, attn_mask="float3d", attn_inf=True, kpm="float",
+          average=False),
+        C("f32_masks_bool3d_float", "bool attn_mask [B*H,L,S] + float key_padding_mask with -inf",
+          dtype="f32", B=2, L=4, S=5, E=8, H=2, attn_mask="bool3d", kpm="float", kpm_inf=True),
+        C("f64_masks_float2d_bool", "float attn_mask [L,S] + bool key_padding_mask",
+          dtype="f64", B=2, L=4, S=6, E=8, H=2, attn_mask="float2d", kpm="bool"),
+        C("f32_masks_float2d_float", "float attn_mask [L,S] + float key_padding_mask, both finite",
+          dtype="f32", B=2, L=3, S=5, E=8, H=2, attn_mask="float2d", kpm="float"),
+        C("f64_masks_bool2d_float_bias_kv", "bool attn_mask [L,S] + float key_padding_mask, add_bias_kv",
+          dtype="f64", B=2, L=4, S=4, E=8, H=2, attn_mask="bool2d", kpm="float", add_bias_kv=True),
+        # is_causal
+        C("f32_causal_self", "is_causal=1 alone (top-left causal mask), self-attention",
+          dtype="f32", B=2, L=6, E=8, H=2, is_causal=True, self_attn=True),
+        C("f64_causal_attn_mask_float", "is_causal=1 on top of a float attn_mask [L,S]",
+          dtype="f64", B=2, L=5, S=5, E=8, H=2, is_causal=True, attn_mask="float2d"),
+        C("f32_causal_attn_mask_bool_3d", "is_causal=1 on top of a bool attn_mask [B*H,L,S], per head",
+          dtype="f32", B=2, L=5, S=5, E=8, H=2, is_causal=True, attn_mask="bool3d", average=False),
+        C("f64_causal_kpm_bool", "is_causal=1 with a bool key_padding_mask",
+          dtype="f64", B=2, L=5, S=5, E=8, H=2, is_causal=True, kpm="bool"),
+        C("f32_causal_kpm_float", "is_causal=1 with a float key_padding_mask (added)",
+          dtype="f32", B=2, L=4, S=4, E=8, H=2, is_causal=True, kpm="float", kpm_inf=True),
+        C("f32_causal_L_gt_S", "is_causal=1 with L > S (top-left: rows i >= S see all keys)",
+          dtype="f32", B=2, L=7, S=4, E=8, H=2, is_causal=True),
+        C("f64_causal_L_lt_S_kpm_float", "is_causal=1 with L < S, float key_padding_mask",
+          dtype="f64", B=2, L=3, S=7, E=8, H=2, is_causal=True, kpm="float"),
+        C("f64_causal_zero_attn_bias_kv", "is_causal=1 with add_bias_kv + add_zero_attn (extra columns unmasked)",
+          dtype="f64", B=2, L=4, S=4, E=8, H=2, is_causal=True, add_bias_kv=True, add_zero_attn=True,
+          average=False),
+        # need_weights
+        C("f32_no_weights", "need_weights=0: only output",
+          dtype="f32", B=2, L=4, S=5, E=8, H=2, need_weights=False),
+        C("f64_no_weights_masks", "need_weights=0 with bool attn_mask and float key_padding_mask",
+          dtype="f64", B=2, L=4, S=5, E=8, H=2, need_weights=False, attn_mask="bool2d", kpm="float"),
+        # unbatched
+        C("f32_unbatched", "unbatched query [L,E], key [S,E], value [S,E]",
+          dtype="f32", B=None, L=4, S=5, E=8, H=2),
+        C("f64_unbatched_masks", "unbatched, bool attn_mask [L,S] + bool key_padding_mask [S]",
+          dtype="f64", B=None, L=5, S=6, E=8, H=2, attn_mask="bool2d", kpm="bool"),
+        C("f32_unbatched_attn_mask_3d_per_head", "unbatched, float attn_mask [H,L,S] with -inf, per head",
+          dtype="f32", B=None, L=4, S=5, E=8, H=2, attn_mask="float3d", attn_inf=True, average=False),
+        C("f64_unbatched_bool3d_kpm_float_causal", "unbatched, bool attn_mask [H,L,S] + float kpm [S] + causal",
+          dtype="f64", B=None, L=5, S=5, E=8, H=2, attn_mask="bool3d", kpm="float", is_causal=True,
+          self_attn=True),
+        C("f32_unbatched_kdim_vdim_bias_kv_zero_attn", "unbatched, kdim/vdim, add_bias_kv, add_zero_attn",
+          dtype="f32", B=None, L=3, S=4, E=8, H=2, kdim=3, vdim=5, add_bias_kv=True, add_zero_attn=True,
+          average=False),
+        C("f64_unbatched_no_weights", "unbatched, need_weights=0",
+          dtype="f64", B=None, L=3, S=3, E=8, H=4, need_weights=False, self_attn=True),
+        # H = 1, D = 1
+        C("f32_single_head", "H=1 (D=E)",
+          dtype="f32", B=2, L=4, S=5, E=8, H=1, attn_mask="float2d"),
+        C("f64_single_head_per_head_kpm", "H=1 with bool key_padding_mask, per-head weights",
+          dtype="f64", B=2, L=3, S=5, E=6, H=1, kpm="bool", average=False),
+        C("f32_head_dim_1", "D=1 (E == H)",
+          dtype="f32", B=2, L=4, S=5, E=4, H=4),
+        C("f64_head_dim_1_per_head_mask", "D=1 (E == H), bool attn_mask [B*H,L,S], per-head weights",
+          dtype="f64", B=2, L=3, S=4, E=4, H=4, attn_mask="bool3d", average=False),
+        # L = 1, S = 1, B = 1
+        C("f32_L1", "single query (L=1), cross-attention",
+          dtype="f32", B=2, L=1, S=6, E=8, H=2, kpm="bool"),
+        C("f64_L1_unbatched", "single query (L=1), unbatched",
+          dtype="f64", B=None, L=1, S=5, E=8, H=2),
+        C("f32_S1", "single key (S=1)",
+          dtype="f32", B=2, L=4, S=1, E=8, H=2),
+        C("f64_B1_L1_S1", "B=1, L=1, S=1 self-attention",
+          dtype="f64", B=1, L=1, E=8, H=2, self_attn=True),
+        # defaults and everything at once
+        C("f32_minimal_metadata", "only num_heads in the metadata (defaults for the other keys)",
+          dtype="f32", B=2, L=3, S=4, E=8, H=2, meta="minimal"),
+        C("f64_minimal_metadata_causal", "minimal metadata: num_heads + is_causal=1 + need_weights=0",
+          dtype="f64", B=2, L=4, S=4, E=8, H=2, meta="minimal", is_causal=True, need_weights=False),
+        C("f32_everything", "kdim/vdim, bias_kv, zero_attn, float attn_mask [B*H,L,S] (-inf), "
+          "float kpm (-inf), causal, per head",
+          dtype="f32", B=2, L=5, S=6, E=12, H=3, kdim=7, vdim=4, add_bias_kv=True, add_zero_attn=True,
+          attn_mask="float3d", attn_inf=True, kpm="float", kpm_inf=True, is_causal=True, average=False),
+        C("f64_everything_no_bias", "bias=False, kdim/vdim, bias_kv, bool attn_mask [B*H,L,S], bool kpm, "
+          "causal, averaged",
+          dtype="f64", B=2, L=6, S=5, E=8, H=2, kdim=9, vdim=3, bias=False, add_bias_kv=True,
+          attn_mask="bool3d", kpm="bool", is_causal=True),
+        C("f32_larger", "E=16, H=4, B=2, L=S=7 with float attn_mask and bool kpm",
+          dtype="f32", B=2, L=7, S=7, E=16, H=4, attn_mask="float2d", attn_inf=True, kpm="bool"),
+    ]
+
+
+# ----------------------------------------------------------------------------------------------
+# random configurations (out-of-sample checks)
+
+def random_spec(rng, index):
+    """A random configuration; rng is a numpy Generator."""
+    dtype = "f32" if rng.random() < 0.5 else "f64"
+    H = int(rng.choice([1, 2, 3, 4]))
+    D = int(rng.integers(1, 5))
+    E = H * D
+    B = None if rng.random() < 0.2 else int(rng.integers(1, 4))
+    L = int(rng.integers(1, 8))
+    self_attn = rng.random() < 0.25
+    if self_attn:
+        S, kdim, vdim = L, E, E
+    else:
+        S = int(rng.integers(1, 8))
+        kdim = E if rng.random() < 0.6 else int(rng.integers(1, 13))
+        vdim = E if rng.random() < 0.6 else int(rng.integers(1, 13))
+    attn_mask = [None, "bool2d", "bool3d", "float2d", "float3d"][int(rng.integers(0, 5))]
+    kpm = [None, "bool", "float"][int(rng.integers(0, 3))]
+    spec_kw = dict(
+        dtype=dtype, B=B, L=L, S=S, E=E, H=H, kdim=kdim, vdim=vdim, bias=bool(rng.random() < 0.7),
+        add_bias_kv=bool(rng.random() < 0.3), add_zero_attn=bool(rng.random() < 0.3),
+        self_attn=self_attn, attn_mask=attn_mask, attn_inf=bool(rng.random() < 0.5), kpm=kpm,
+        kpm_inf=bool(rng.random() < 0.5), is_causal=bool(rng.random() < 0.3),
+        need_weights=bool(rng.random() < 0.8), average=bool(rng.random() < 0.5),
+        meta="full" if rng.random() < 0.5 else "minimal", seed=int(rng.integers(0, 2**31)))
+    name = f"rand{index:04d}_{dtype}"
+    spec = Spec(name, "", **spec_kw)
+    spec.description = "random configuration: " + spec.summary()
+    return spec
+
+
+def random_specs(count, seed):
+    rng = np.random.default_rng(seed)
+    specs = []
+    for i in range(count):
+        while True:
+            s = random_spec(rng, i)
+            try:
+                _draw_masks(s, np.random.default_rng(s.seed), np.float64)
+            except RuntimeError:
+                continue  # masks impossible without a fully masked row: draw another configuration
+            specs.append(s)
+            break
+    return specs
+
+
+# ----------------------------------------------------------------------------------------------
+
+def main(argv=None):
+    here = os.path.dirname(os.path.abspath(__file__))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.path.join(here, "data"), help="output directory (default: %(default)s)")
+    ap.add_argument("--random", type=int, metavar="N", help="write N random configurations instead")
+    ap.add_argument("--seed", type=int, default=0, help="seed for --random (default: %(default)s)")
+    args = ap.parse_args(argv)
+
+    specs = random_specs(args.random, args.seed) if args.random is not None else fixed_cases()
+    names = [s.name for s in specs]
+    assert len(names) == len(set(names)), "duplicate case names"
+    os.makedirs(args.out, exist_ok=True)
+    total = 0
+    for s in specs:
+        paths = write_case(s, args.out)
+        size = sum(os.path.getsize(p) for p in paths)
+        total += size
+        print(f"{s.name:45s} {size:6d} B  {s.summary()}")
+    print(f"{len(specs)} cases, {2 * len(specs)} files, {total} bytes in {args.out} (torch {torch.__version__})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,316 @@
+// MultiHeadAttention<T>: properties that hold whatever the weights, and every refusal.
+// (Agreement with PyTorch itself is in test_reference.cpp.)
+#include <algorithm>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "helpers.hpp"
+
+using mha::Index;
+using mha::Mask;
+using mha::Matrix;
+using mha::MultiHeadAttention;
+using mha::MultiHeadAttentionConfig;
+using mha::Tensor;
+
+namespace {
+
+// Random parameters, biases included (PyTorch initialises them to 0, which would hide them).
+template <class T>
+void randomise(MultiHeadAttention<T>& layer, std::uint64_t seed) {
+  for (const auto& name : layer.parameter_names()) {
+    const auto view = layer.parameter(name);
+    layer.set_parameter(name, mha_test::random_tensor<T>(view.shape(), seed++, 0.5));
+  }
+}
+
+template <class T>
+MultiHeadAttention<T> random_layer(MultiHeadAttentionConfig config, std::uint64_t seed) {
+  MultiHeadAttention<T> layer(config);
+  randomise(layer, seed);
+  return layer;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("with one head, MHA is plain single-head attention", "[mha]", float, double) {
+  using T = TestType;
+  const Index E = 6, L = 4, S = 5;
+  const auto layer = random_layer<T>(MultiHeadAttentionConfig(E, 1), 100);
+  const auto query = mha_test::random_tensor<T>({1, L, E}, 1);
+  const auto key = mha_test::random_tensor<T>({1, S, E}, 2);
+  const auto value = mha_test::random_tensor<T>({1, S, E}, 3);
+  const auto result = layer.forward(query, key, value);
+
+  const Matrix<double> w = Tensor<T>(layer.parameter("in_proj_weight")).matrix().template cast<double>();
+  const Matrix<double> bias = Tensor<T>(layer.parameter("in_proj_bias")).matrix().template cast<double>();
+  const auto project = [&](const Tensor<T>& x, Index which) {
+    Matrix<double> y = x.matrix().template cast<double>() * w.middleRows(which * E, E).transpose();
+    y.rowwise() += bias.row(0).segment(which * E, E);
+    return y;
+  };
+  Matrix<double> scores = project(query, 0) * project(key, 1).transpose() / std::sqrt(double(E));
+  mha::softmax_rows_inplace(scores);
+  Matrix<double> out = scores * project(value, 2) *
+                       Tensor<T>(layer.parameter("out_proj.weight")).matrix().template cast<double>().transpose();
+  out.rowwise() += Tensor<T>(layer.parameter("out_proj.bias")).matrix().template cast<double>().row(0);
+  Tensor<double> expected({1, L, E});
+  expected.matrix() = out;
+  Tensor<double> expected_weights({1, L, S});
+  expected_weights.matrix() = scores;
+  CHECK_TENSORS_CLOSE(result.output, expected);
+  CHECK_TENSORS_CLOSE(result.attn_weights, expected_weights);
+}
+
+TEMPLATE_TEST_CASE("each head attends in its own feature columns", "[mha][heads]", float, double) {
+  using T = TestType;
+  const Index E = 8, H = 4, L = 3;
+  const auto layer = random_layer<T>(MultiHeadAttentionConfig(E, H), 200);
+  const auto x = mha_test::random_tensor<T>({2, L, E}, 5);
+  mha::ForwardOptions<T> options;
+  options.average_attn_weights = false;
+  const auto result = layer.forward(x, options);
+  // Recompute with split_heads + sdpa + merge_heads from the layer's own projections.
+  const auto w = Tensor<T>(layer.parameter("in_proj_weight"));
+  const auto b = Tensor<T>(layer.parameter("in_proj_bias"));
+  Tensor<T> q({2, L, E}), k({2, L, E}), v({2, L, E});
+  for (Index which = 0; which < 3; ++which) {
+    Tensor<T>& target = which == 0 ? q : which == 1 ? k : v;
+    target.matrix() = x.matrix() * w.matrix().middleRows(which * E, E).transpose();
+    target.matrix().rowwise() += b.matrix().row(0).segment(which * E, E);
+  }
+  mha::AttentionOptions<T> sdpa;
+  sdpa.need_weights = true;
+  const auto heads = mha::scaled_dot_product_attention(mha::split_heads(q, H), mha::split_heads(k, H),
+                                                       mha::split_heads(v, H), sdpa);
+  Tensor<T> expected = mha::merge_heads(heads.output);
+  const auto wo = Tensor<T>(layer.parameter("out_proj.weight"));
+  const auto bo = Tensor<T>(layer.parameter("out_proj.bias"));
+  Tensor<T> projected({2, L, E});
+  projected.matrix() = expected.matrix() * wo.matrix().transpose();
+  projected.matrix().rowwise() += bo.matrix().row(0);
+  CHECK_TENSORS_CLOSE(result.output, projected);
+  CHECK_TENSORS_CLOSE(result.attn_weights, heads.weights);
+}
+
+TEMPLATE_TEST_CASE("unmasked self-attention is equivariant to permuting the sequence", "[mha]",
+                   float, double) {
+  using T = TestType;
+  const Index E = 8, L = 6;
+  const auto layer = random_layer<T>(MultiHeadAttentionConfig(E, 2), 300);
+  const auto x = mha_test::random_tensor<T>({1, L, E}, 7);
+  const std::vector<Index> perm = {3, 0, 5, 1, 4, 2};
+  Tensor<T> permuted({1, L, E});
+  for (Index i = 0; i < L; ++i) permuted[0].matrix().row(i) = x[0].matrix().row(perm[size_t(i)]);
+  const auto a = layer.forward(x);
+  const auto b = layer.forward(permuted);
+  Tensor<T> expected({1, L, E}), expected_weights({1, L, L});
+  for (Index i = 0; i < L; ++i) {
+    expected[0].matrix().row(i) = a.output[0].matrix().row(perm[size_t(i)]);
+    for (Index j = 0; j < L; ++j)
+      expected_weights(0, i, j) = a.attn_weights(0, perm[size_t(i)], perm[size_t(j)]);
+  }
+  CHECK_TENSORS_CLOSE(b.output, expected);
+  CHECK_TENSORS_CLOSE(b.attn_weights, expected_weights);
+}
+
+TEMPLATE_TEST_CASE("with is_causal, position t does not depend on inputs after t", "[mha][causal]",
+                   float, double) {
+  using T = TestType;
+  const Index E = 8, L = 7;
+  MultiHeadAttentionConfig config(E, 4);
+  config.add_bias_kv = true;  // the extra key column stays visible to every query
+  const auto layer = random_layer<T>(config, 400);
+  const auto x = mha_test::random_tensor<T>({2, L, E}, 9);
+  mha::ForwardOptions<T> options;
+  options.is_causal = true;
+  const auto base = layer.forward(x, options);
+  for (Index t = 0; t < L - 1; ++t) {
+    Tensor<T> changed = x;
+    for (Index later = t + 1; later < L; ++later)
+      for (Index b = 0; b < 2; ++b) changed[b].matrix().row(later) *= T(-3);
+    const auto result = layer.forward(changed, options);
+    for (Index b = 0; b < 2; ++b) {
+      const auto before = base.output[b].matrix().topRows(t + 1);
+      const auto after = result.output[b].matrix().topRows(t + 1);
+      CHECK((before - after).cwiseAbs().maxCoeff() == T(0));
+      // and the future did change the future: the test can fail
+      CHECK((base.output[b].matrix().row(L - 1) - result.output[b].matrix().row(L - 1)).norm() > T(0));
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("fully masked rows give zero weights and a zero head output, never NaN",
+                   "[mha][mask]", float, double) {
+  using T = TestType;
+  const Index E = 6, L = 3, S = 4;
+  const auto layer = random_layer<T>(MultiHeadAttentionConfig(E, 2), 500);
+  const auto q = mha_test::random_tensor<T>({2, L, E}, 11);
+  const auto kv = mha_test::random_tensor<T>({2, S, E}, 12);
+  Tensor<bool> padding({2, S}, false);
+  for (Index j = 0; j < S; ++j) padding(0, j) = true;  // batch 0 sees no key at all
+  Tensor<bool> attn({L, S}, false);
+  for (Index j = 0; j < S; ++j) attn(1, j) = true;  // query 1 sees no key in any batch
+  mha::ForwardOptions<T> options;
+  options.key_padding_mask = Mask<T>::blocked_where_true(padding);
+  options.attn_mask = Mask<T>::blocked_where_true(attn);
+  options.average_attn_weights = false;
+  const auto result = layer.forward(q, kv, kv, options);
+  REQUIRE(result.output.flat().allFinite());
+  REQUIRE(result.attn_weights.flat().allFinite());
+  // With every head's output 0, the layer's output is out_proj.bias.
+  const auto bias = Tensor<T>(layer.parameter("out_proj.bias"));
+  for (Index i = 0; i < L; ++i) CHECK(result.output[0].matrix().row(i) == bias.matrix().row(0));
+  CHECK(result.output[1].matrix().row(1) == bias.matrix().row(0));
+  CHECK(result.output[1].matrix().row(0) != bias.matrix().row(0));
+  CHECK(result.attn_weights[0].matrix().isZero());
+  for (Index h = 0; h < 2; ++h) {
+    CHECK(result.attn_weights[1][h].matrix().row(1).isZero());
+    CHECK(std::abs(result.attn_weights[1][h].matrix().row(0).sum() - T(1)) < T(1e-6));
+  }
+}
+
+TEMPLATE_TEST_CASE("unbatched input equals a batch of one", "[mha]", float, double) {
+  using T = TestType;
+  MultiHeadAttentionConfig config(8, 2);
+  config.kdim = 5;
+  config.vdim = 3;
+  config.add_zero_attn = true;
+  const auto layer = random_layer<T>(config, 600);
+  const auto q = mha_test::random_tensor<T>({1, 4, 8}, 13);
+  const auto k = mha_test::random_tensor<T>({1, 6, 5}, 14);
+  const auto v = mha_test::random_tensor<T>({1, 6, 3}, 15);
+  auto padding = Tensor<bool>({1, 6}, false);
+  padding(0, 2) = true;
+  mha::ForwardOptions<T> options;
+  options.key_padding_mask = Mask<T>::blocked_where_true(padding);
+  options.average_attn_weights = false;
+  const auto batched = layer.forward(q, k, v, options);
+  options.key_padding_mask = Mask<T>::blocked_where_true(padding[0]);
+  const auto unbatched = layer.forward(q[0], k[0], v[0], options);
+  REQUIRE(unbatched.output.shape() == mha::Shape{4, 8});
+  REQUIRE(unbatched.attn_weights.shape() == mha::Shape{2, 4, 7});
+  CHECK(unbatched.output.flat() == batched.output.flat());
+  CHECK(unbatched.attn_weights.flat() == batched.attn_weights.flat());
+}
+
+TEST_CASE("default initialisation follows PyTorch's formulas and the seed", "[mha][init]") {
+  MultiHeadAttentionConfig config(64, 4);
+  config.add_bias_kv = true;
+  config.seed = 42;
+  const MultiHeadAttention<double> a(config), b(config);
+  config.seed = 43;
+  const MultiHeadAttention<double> c(config);
+  for (const auto& name : a.parameter_names()) {
+    CHECK(Tensor<double>(a.parameter(name)).flat() == Tensor<double>(b.parameter(name)).flat());
+  }
+  const Tensor<double> in_proj_tensor(a.parameter("in_proj_weight"));
+  const auto in_proj = in_proj_tensor.flat();
+  CHECK(in_proj != Tensor<double>(c.parameter("in_proj_weight")).flat());
+  // xavier_uniform over [3E, E]: U(-a, a), a = sqrt(6 / 4E); variance a^2 / 3.
+  const double bound = std::sqrt(6.0 / (4.0 * 64));
+  CHECK(in_proj.cwiseAbs().maxCoeff() <= bound);
+  const double variance = in_proj.squaredNorm() / double(in_proj.size());
+  CHECK(std::abs(variance - bound * bound / 3.0) < 0.05 * bound * bound / 3.0);
+  CHECK(Tensor<double>(a.parameter("in_proj_bias")).flat().isZero());
+  CHECK(Tensor<double>(a.parameter("out_proj.bias")).flat().isZero());
+  CHECK(Tensor<double>(a.parameter("out_proj.weight")).flat().cwiseAbs().maxCoeff() <= 1.0 / 8.0);
+  // xavier_normal on [1, 1, E]: std sqrt(1 / E).
+  const Tensor<double> bias_k_tensor(a.parameter("bias_k"));
+  const auto bias_k = bias_k_tensor.flat();
+  CHECK(bias_k.size() == 64);
+  CHECK(std::abs(std::sqrt(bias_k.squaredNorm() / 64.0) - 0.125) < 0.04);
+}
+
+TEST_CASE("parameters carry PyTorch's state_dict names and shapes", "[mha][params]") {
+  MultiHeadAttentionConfig config(6, 3);
+  CHECK(MultiHeadAttention<float>(config).parameter_names() ==
+        std::vector<std::string>{"in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"});
+  config.kdim = 4;
+  config.add_bias_kv = true;
+  config.bias = false;
+  const MultiHeadAttention<float> separate(config);
+  CHECK(separate.parameter_names() ==
+        std::vector<std::string>{"q_proj_weight", "k_proj_weight", "v_proj_weight", "bias_k",
+                                 "bias_v", "out_proj.weight"});
+  CHECK(separate.parameter("k_proj_weight").shape() == mha::Shape{6, 4});
+  CHECK(separate.parameter("v_proj_weight").shape() == mha::Shape{6, 6});
+  CHECK(separate.parameter("bias_v").shape() == mha::Shape{1, 1, 6});
+  const auto rebuilt = MultiHeadAttention<float>::from_state_dict(separate.state_dict(), 3);
+  CHECK(rebuilt.kdim() == 4);
+  CHECK(rebuilt.vdim() == 6);
+  CHECK(!rebuilt.config().bias);
+  CHECK(rebuilt.config().add_bias_kv);
+  for (const auto& name : separate.parameter_names())
+    CHECK(Tensor<float>(rebuilt.parameter(name)).flat() == Tensor<float>(separate.parameter(name)).flat());
+}
+
+TEST_CASE("the layer refuses bad configurations", "[mha][errors]") {
+  CHECK_THROWS_WITH(MultiHeadAttention<float>(8, 0), "num_heads: must be positive, got 0");
+  CHECK_THROWS_WITH(MultiHeadAttention<float>(8, 3),
+                    "num_heads: embed_dim 8 is not divisible by num_heads 3");
+  CHECK_THROWS_AS(MultiHeadAttention<float>(0, 1), mha::ShapeError);
+  MultiHeadAttentionConfig config(8, 2);
+  config.kdim = -1;
+  CHECK_THROWS_AS(MultiHeadAttention<float>(config), std::invalid_argument);
+}
+
+TEST_CASE("forward refuses inputs of the wrong shape, naming them", "[mha][errors]") {
+  MultiHeadAttentionConfig config(8, 2);
+  config.kdim = 5;
+  const MultiHeadAttention<float> layer(config);
+  const Tensor<float> q({2, 3, 8}), k({2, 4, 5}), v({2, 4, 8});
+  CHECK_NOTHROW(layer.forward(q, k, v));
+  CHECK_THROWS_WITH(layer.forward(Tensor<float>({2, 3, 7}), k, v),
+                    "query: expected [2, 3, 8], got [2, 3, 7]");
+  CHECK_THROWS_WITH(layer.forward(q, Tensor<float>({2, 4, 8}), v),
+                    "key: expected [2, *, 5], got [2, 4, 8]");
+  CHECK_THROWS_WITH(layer.forward(q, Tensor<float>({3, 4, 5}), v),
+                    "key: expected [2, *, 5], got [3, 4, 5]");
+  CHECK_THROWS_WITH(layer.forward(q, k, Tensor<float>({2, 5, 8})),
+                    "value: expected [2, 4, 8], got [2, 5, 8]");
+  CHECK_THROWS_WITH(layer.forward(q, k, Tensor<float>({4, 8})),
+                    "value: expected [2, 4, 8], got [4, 8]");
+  CHECK_THROWS_AS(layer.forward(Tensor<float>({8}), k, v), mha::ShapeError);
+  CHECK_THROWS_AS(layer.forward(Tensor<float>({1, 2, 3, 8}), k, v), mha::ShapeError);
+
+  mha::ForwardOptions<float> options;
+  options.key_padding_mask = Mask<float>::blocked_where_true(Tensor<bool>({2, 5}));
+  CHECK_THROWS_WITH(layer.forward(q, k, v, options),
+                    "key_padding_mask: expected [2, 4], got [2, 5]");
+  options.key_padding_mask = Mask<float>::additive(Tensor<float>({4}));
+  CHECK_THROWS_WITH(layer.forward(q, k, v, options),
+                    "key_padding_mask: expected [2, 4], got [4]");
+  options.key_padding_mask = Mask<float>();
+  options.attn_mask = Mask<float>::blocked_where_true(Tensor<bool>({3, 5}));
+  CHECK_THROWS_WITH(layer.forward(q, k, v, options),
+                    "attn_mask: expected [3, 4] or [4, 3, 4] ([L, S] or [B*H, L, S]), got [3, 5]");
+  options.attn_mask = Mask<float>::additive(Tensor<float>({2, 3, 4}));
+  CHECK_THROWS_AS(layer.forward(q, k, v, options), mha::ShapeError);
+  options.attn_mask = Mask<float>::additive(Tensor<float>({4, 3, 4}));
+  CHECK_NOTHROW(layer.forward(q, k, v, options));
+}
+
+TEST_CASE("parameters and state dicts are checked before anything changes", "[mha][errors]") {
+  MultiHeadAttention<double> layer(4, 2);
+  CHECK_THROWS_WITH(layer.set_parameter("in_proj_weight", Tensor<double>({4, 4})),
+                    "in_proj_weight: expected [12, 4], got [4, 4]");
+  CHECK_THROWS_AS(layer.parameter("bias_k"), mha::ShapeError);
+  auto state = layer.state_dict();
+  const auto before = Tensor<double>(layer.parameter("in_proj_weight"));
+  state["in_proj_weight"] = Tensor<double>({12, 4}, 1.0);
+  state.erase("out_proj.bias");
+  CHECK_THROWS_WITH(layer.load_state_dict(state), "state_dict: missing tensor 'out_proj.bias'");
+  CHECK(Tensor<double>(layer.parameter("in_proj_weight")).flat() == before.flat());
+  state = layer.state_dict();
+  state["bias_k"] = Tensor<double>({1, 1, 4});
+  CHECK_THROWS_AS(layer.load_state_dict(state), mha::ShapeError);
+  state = layer.state_dict();
+  state["out_proj.weight"] = Tensor<double>({4, 5});
+  CHECK_THROWS_WITH(layer.load_state_dict(state), "out_proj.weight: expected [4, 4], got [4, 5]");
+  auto bad = layer.state_dict();
+  bad.erase("in_proj_weight");
+  CHECK_THROWS_AS(MultiHeadAttention<double>::from_state_dict(bad, 2), mha::ShapeError);
+  CHECK_THROWS_AS(MultiHeadAttention<double>::from_state_dict(layer.state_dict(), 3), mha::ShapeError);
+}

@@ -1,0 +1,83 @@
+// Tensor, views, and splitting/merging heads.
+#include "helpers.hpp"
+
+using mha::Index;
+using mha::Tensor;
+
+TEMPLATE_TEST_CASE("split_heads and merge_heads are exact inverses", "[heads]", float, double) {
+  for (const auto& shape : {mha::Shape{2, 5, 12}, mha::Shape{1, 1, 4}, mha::Shape{3, 7, 6}}) {
+    for (const Index heads : {Index(1), Index(2), shape[2]}) {
+      const auto x = mha_test::random_tensor<TestType>(shape, 11);
+      const auto split = mha::split_heads(x, heads);
+      REQUIRE(split.shape() == mha::Shape{shape[0], heads, shape[1], shape[2] / heads});
+      const auto merged = mha::merge_heads(split);
+      REQUIRE(merged.shape() == x.shape());
+      // Exact: both only move elements.
+      CHECK(merged.flat() == x.flat());
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("split_heads puts feature h*D+d of head h at d", "[heads]", float, double) {
+  const auto x = mha_test::random_tensor<TestType>({2, 3, 8}, 3);
+  const auto split = mha::split_heads(x, 4);
+  for (Index b = 0; b < 2; ++b) {
+    for (Index h = 0; h < 4; ++h) {
+      const auto view = mha::head_view<TestType>(x.view(), 4, b, h);
+      REQUIRE(view.rows() == 3);
+      REQUIRE(view.cols() == 2);
+      for (Index l = 0; l < 3; ++l) {
+        for (Index d = 0; d < 2; ++d) {
+          CHECK(split(b, h, l, d) == x(b, l, h * 2 + d));
+          CHECK(view(l, d) == x(b, l, h * 2 + d));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("head_view writes through to the tensor", "[heads]") {
+  Tensor<float> x({1, 2, 4});
+  auto view = mha::head_view<float>(x.view(), 2, 0, 1);
+  view.setConstant(7.0f);
+  CHECK(x(0, 0, 1) == 0.0f);
+  CHECK(x(0, 0, 2) == 7.0f);
+  CHECK(x(0, 1, 3) == 7.0f);
+}
+
+TEST_CASE("split_heads refuses bad shapes and head counts", "[heads][errors]") {
+  const Tensor<float> x({2, 3, 6});
+  CHECK_THROWS_AS(mha::split_heads(x, 4), mha::ShapeError);
+  CHECK_THROWS_AS(mha::split_heads(x, 0), mha::ShapeError);
+  CHECK_THROWS_AS(mha::split_heads(Tensor<float>({3, 6}), 2), mha::ShapeError);
+  CHECK_THROWS_AS(mha::merge_heads(x), mha::ShapeError);
+  CHECK_THROWS_AS(mha::head_view<float>(x.view(), 2, 2, 0), mha::ShapeError);
+  CHECK_THROWS_WITH(mha::split_heads(x, 4),
+                    "x: embed_dim 6 is not divisible by num_heads 4");
+}
+
+TEST_CASE("Tensor keeps PyTorch's row-major layout", "[tensor]") {
+  Tensor<double> t({2, 3, 4});
+  for (Index i = 0; i < t.size(); ++i) t.data()[i] = static_cast<double>(i);
+  CHECK(t(1, 2, 3) == 23.0);
+  CHECK(t(0, 1, 0) == 4.0);
+  CHECK(t[1].shape() == mha::Shape{3, 4});
+  CHECK(t[1](0, 0) == 12.0);
+  CHECK(t.matrix().rows() == 6);
+  CHECK(t.matrix().cols() == 4);
+  CHECK(t.matrix()(5, 3) == 23.0);
+  t.reshape({6, 4});
+  CHECK(t(5, 3) == 23.0);
+  CHECK_THROWS_AS(t.reshape({5, 4}), mha::ShapeError);
+  CHECK_THROWS_AS(Tensor<float>({2, -1}), mha::ShapeError);
+  CHECK_THROWS_WITH((Tensor<float>({2}, {1.0f, 2.0f, 3.0f})),
+                    "Tensor values: expected 2 elements, got [3]");
+}
+
+TEST_CASE("empty tensors are valid", "[tensor]") {
+  const Tensor<float> empty({2, 0, 4});
+  CHECK(empty.size() == 0);
+  CHECK(empty.matrix().rows() == 0);
+  CHECK(mha::split_heads(empty, 2).shape() == mha::Shape{2, 2, 0, 2});
+  CHECK(mha::merge_heads(mha::split_heads(empty, 2)).shape() == empty.shape());
+}
