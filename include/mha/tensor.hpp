@@ -18,6 +18,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <numeric>
+#include <string>
 #include <type_traits>
 #include <utility>
 
@@ -193,6 +194,9 @@ class Tensor {
   Shape shape_;
   Vector<T> data_;
 };
+
+// "[2, 5, 16]": how shapes are written in messages and examples.
+inline std::string to_string(const Shape& shape) { return detail::format_shape(shape); }
 
 template <class T>
 TensorView<T> make_view(T* data, Shape shape) {

@@ -1,0 +1,68 @@
+# Installs mha from a build tree into a scratch prefix, then configures, builds and runs the
+# outside project in this directory against it. Run with cmake -P:
+#   -DMHA_BINARY_DIR=<mha build tree>      -DCONSUMER_SOURCE_DIR=<this directory>
+#   -DWORK_DIR=<scratch directory, wiped>  -DCXX_COMPILER=<C++ compiler>
+#   optional: -DCXX_FLAGS=<CMAKE_CXX_FLAGS for the consumer, e.g. sanitizer flags>
+cmake_minimum_required(VERSION 3.16)
+
+foreach(var MHA_BINARY_DIR CONSUMER_SOURCE_DIR WORK_DIR CXX_COMPILER)
+  if(NOT DEFINED ${var} OR "${${var}}" STREQUAL "")
+    message(FATAL_ERROR "run.cmake: -D${var}=... is required")
+  endif()
+endforeach()
+if(NOT DEFINED CXX_FLAGS)
+  set(CXX_FLAGS "")
+endif()
+
+set(prefix "${WORK_DIR}/prefix")
+set(build "${WORK_DIR}/build")
+
+# Runs one step; on failure stops with the step's command and output.
+function(run_step name)
+  execute_process(COMMAND ${ARGN}
+                  RESULT_VARIABLE result
+                  OUTPUT_VARIABLE output
+                  ERROR_VARIABLE output)
+  if(NOT result EQUAL 0)
+    string(REPLACE ";" " " command "${ARGN}")
+    message(FATAL_ERROR "consumer test: step '${name}' failed (${result})\n"
+                        "command: ${command}\n${output}")
+  endif()
+  message(STATUS "consumer test: ${name}: ok")
+  if(name MATCHES "^run " AND NOT "${output}" STREQUAL "")
+    message(STATUS "${output}")
+  endif()
+endfunction()
+
+file(REMOVE_RECURSE "${WORK_DIR}")
+file(MAKE_DIRECTORY "${WORK_DIR}")
+
+run_step(install ${CMAKE_COMMAND} --install "${MHA_BINARY_DIR}" --prefix "${prefix}")
+
+run_step(configure ${CMAKE_COMMAND} -S "${CONSUMER_SOURCE_DIR}" -B "${build}"
+         "-DCMAKE_PREFIX_PATH=${prefix}" "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}"
+         "-DCMAKE_CXX_FLAGS=${CXX_FLAGS}")
+
+run_step(build ${CMAKE_COMMAND} --build "${build}")
+
+# Single-config generators put the programs in the build directory, multi-config ones in a
+# per-configuration subdirectory (Debug by default).
+set(programs consumer)
+if(EXISTS "${build}/consumer_io" OR EXISTS "${build}/consumer_io.exe"
+   OR EXISTS "${build}/Debug/consumer_io.exe")
+  list(APPEND programs consumer_io)
+else()
+  message(STATUS "consumer test: mha::io not available (no nlohmann/json), consumer_io not built")
+endif()
+foreach(program IN LISTS programs)
+  set(path "")
+  foreach(candidate "${build}/${program}" "${build}/${program}.exe" "${build}/Debug/${program}.exe")
+    if(path STREQUAL "" AND EXISTS "${candidate}" AND NOT IS_DIRECTORY "${candidate}")
+      set(path "${candidate}")
+    endif()
+  endforeach()
+  if(path STREQUAL "")
+    message(FATAL_ERROR "consumer test: the program '${program}' was not built in ${build}")
+  endif()
+  run_step("run ${program}" "${path}")
+endforeach()

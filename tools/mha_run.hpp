@@ -1,0 +1,114 @@
+// What mha_run does, as a function: one safetensors file in (a PyTorch nn.MultiheadAttention's
+// state_dict, its inputs, masks and options), one out (its output and attention weights).
+// Kept apart from main() so the tests run the same code in-process on every fixture.
+#pragma once
+
+#include <set>
+#include <string>
+
+#include "mha/io/safetensors.hpp"
+#include "mha/mha.hpp"
+
+namespace mha::tools {
+
+inline const char* const kMhaRunHelp = R"(usage: mha_run IN.safetensors OUT.safetensors
+
+Runs torch.nn.MultiheadAttention(batch_first=True) forward in C++ with the mha library, so that
+an attention layer exported from PyTorch can be checked to give the same numbers.
+
+IN holds:
+  parameters under their state_dict names: in_proj_weight [3E, E] (or q_proj_weight [E, E],
+    k_proj_weight [E, kdim], v_proj_weight [E, vdim]), in_proj_bias [3E], out_proj.weight [E, E],
+    out_proj.bias [E], bias_k and bias_v [1, 1, E]. Which are present decides bias, add_bias_kv,
+    kdim and vdim.
+  query [B, L, E], key [B, S, kdim], value [B, S, vdim]  (or unbatched [L, E], [S, kdim], [S, vdim])
+  key_padding_mask [B, S] ([S] unbatched), optional
+  attn_mask [L, S] or [B*H, L, S] ([H, L, S] unbatched), optional
+    masks are BOOL with true = blocked (PyTorch MHA's convention), or float, added to the scores.
+  __metadata__: num_heads (required), and each "0" or "1": add_zero_attn (default 0),
+    need_weights (default 1), average_attn_weights (default 1), is_causal (default 0: when 1, the
+    top-left causal mask, key j > query i blocked, is applied on top of any attn_mask).
+The dtype of query decides the arithmetic: F32 computes in float, F64 in double. Parameters and
+float masks may be F32, F64, F16 or BF16; they are converted.
+
+OUT holds output (the rank of query) and, when need_weights is 1, attn_weights: [B, L, S'] averaged
+over heads or [B, H, L, S'] per head (no B axis when unbatched), S' = S + add_bias_kv + add_zero_attn.
+Where every key of a query row is blocked in a head, its weights and output are 0 (PyTorch: NaN).
+
+Exit status 0 on success; 1 with one line on stderr for any bad input or file.
+)";
+
+namespace detail {
+
+inline const std::set<std::string>& input_names() {
+  static const std::set<std::string> names = {"query", "key", "value", "key_padding_mask",
+                                              "attn_mask"};
+  return names;
+}
+
+inline bool flag(const io::SafetensorsFile& file, const std::string& key, bool default_value) {
+  const auto it = file.metadata.find(key);
+  if (it == file.metadata.end()) return default_value;
+  if (it->second == "0") return false;
+  if (it->second == "1") return true;
+  throw ShapeError("metadata '" + key + "': expected \"0\" or \"1\", got \"" + it->second + "\"");
+}
+
+inline Index num_heads(const io::SafetensorsFile& file) {
+  const auto it = file.metadata.find("num_heads");
+  if (it == file.metadata.end()) throw ShapeError("metadata 'num_heads': missing (required)");
+  const std::string& text = it->second;
+  const bool digits = !text.empty() && text.size() <= 9 &&
+                      text.find_first_not_of("0123456789") == std::string::npos;
+  if (!digits || std::stol(text) == 0) {
+    throw ShapeError("metadata 'num_heads': expected a positive integer, got \"" + text + "\"");
+  }
+  return static_cast<Index>(std::stol(text));
+}
+
+template <class T>
+Mask<T> read_mask(const io::SafetensorsFile& file, const std::string& name) {
+  const auto it = file.tensors.find(name);
+  if (it == file.tensors.end()) return Mask<T>();
+  if (it->second.dtype == io::Dtype::BOOL) {
+    return Mask<T>::blocked_where_true(io::to_bool_tensor(it->second, name));
+  }
+  return Mask<T>::additive(io::to_tensor<T>(it->second, name));
+}
+
+template <class T>
+io::SafetensorsFile run_as(const io::SafetensorsFile& in) {
+  std::vector<std::string> parameter_names;
+  for (const auto& entry : in.tensors) {
+    if (input_names().count(entry.first) == 0) parameter_names.push_back(entry.first);
+  }
+  const auto state = io::read_state_dict<T>(in, parameter_names);
+  const auto layer = MultiHeadAttention<T>::from_state_dict(state, num_heads(in),
+                                                            flag(in, "add_zero_attn", false));
+  ForwardOptions<T> options;
+  options.need_weights = flag(in, "need_weights", true);
+  options.average_attn_weights = flag(in, "average_attn_weights", true);
+  options.is_causal = flag(in, "is_causal", false);
+  options.key_padding_mask = read_mask<T>(in, "key_padding_mask");
+  options.attn_mask = read_mask<T>(in, "attn_mask");
+  const auto result = layer.forward(io::to_tensor<T>(in.at("query"), "query"),
+                                    io::to_tensor<T>(in.at("key"), "key"),
+                                    io::to_tensor<T>(in.at("value"), "value"), options);
+  io::SafetensorsFile out;
+  out.tensors["output"] = io::from_tensor(result.output);
+  if (options.need_weights) out.tensors["attn_weights"] = io::from_tensor(result.attn_weights);
+  return out;
+}
+
+}  // namespace detail
+
+// Throws mha::ShapeError or mha::io::FileError for bad input.
+inline io::SafetensorsFile run_multihead_attention(const io::SafetensorsFile& in) {
+  const io::StoredTensor& query = in.at("query");
+  if (query.dtype == io::Dtype::F32) return detail::run_as<float>(in);
+  if (query.dtype == io::Dtype::F64) return detail::run_as<double>(in);
+  throw ShapeError(std::string("query: expected dtype F32 or F64, got ") +
+                   io::dtype_name(query.dtype));
+}
+
+}  // namespace mha::tools
