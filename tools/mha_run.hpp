@@ -4,6 +4,7 @@
 #pragma once
 
 #include <set>
+#include <type_traits>
 #include <string>
 
 #include "mha/io/safetensors.hpp"
@@ -28,8 +29,8 @@ IN holds:
   __metadata__: num_heads (required), and each "0" or "1": add_zero_attn (default 0),
     need_weights (default 1), average_attn_weights (default 1), is_causal (default 0: when 1, the
     top-left causal mask, key j > query i blocked, is applied on top of any attn_mask).
-The dtype of query decides the arithmetic: F32 computes in float, F64 in double. Parameters and
-float masks may be F32, F64, F16 or BF16; they are converted.
+The dtype of query decides the arithmetic: F32 computes in float, F64 in double. key, value and
+float masks must have that dtype too; parameters may be F32, F64, F16 or BF16 (converted).
 
 OUT holds output (the rank of query) and, when need_weights is 1, attn_weights: [B, L, S'] averaged
 over heads or [B, H, L, S'] per head (no B axis when unbatched), S' = S + add_bias_kv + add_zero_attn.
@@ -66,6 +67,19 @@ inline Index num_heads(const io::SafetensorsFile& file) {
   return static_cast<Index>(std::stol(text));
 }
 
+// Inputs and float masks must have query's dtype: a mismatch is more likely an export mistake
+// than an intent. (Parameters are converted: F16/BF16 checkpoints are common.)
+template <class T>
+Tensor<T> read_input(const io::SafetensorsFile& file, const std::string& name) {
+  const io::StoredTensor& stored = file.at(name);
+  const io::Dtype dtype = std::is_same_v<T, float> ? io::Dtype::F32 : io::Dtype::F64;
+  if (stored.dtype != dtype) {
+    throw ShapeError(name + ": expected dtype " + io::dtype_name(dtype) + " (that of query), got " +
+                     io::dtype_name(stored.dtype));
+  }
+  return io::to_tensor<T>(stored, name);
+}
+
 template <class T>
 Mask<T> read_mask(const io::SafetensorsFile& file, const std::string& name) {
   const auto it = file.tensors.find(name);
@@ -73,7 +87,7 @@ Mask<T> read_mask(const io::SafetensorsFile& file, const std::string& name) {
   if (it->second.dtype == io::Dtype::BOOL) {
     return Mask<T>::blocked_where_true(io::to_bool_tensor(it->second, name));
   }
-  return Mask<T>::additive(io::to_tensor<T>(it->second, name));
+  return Mask<T>::additive(read_input<T>(file, name));
 }
 
 template <class T>
@@ -91,9 +105,8 @@ io::SafetensorsFile run_as(const io::SafetensorsFile& in) {
   options.is_causal = flag(in, "is_causal", false);
   options.key_padding_mask = read_mask<T>(in, "key_padding_mask");
   options.attn_mask = read_mask<T>(in, "attn_mask");
-  const auto result = layer.forward(io::to_tensor<T>(in.at("query"), "query"),
-                                    io::to_tensor<T>(in.at("key"), "key"),
-                                    io::to_tensor<T>(in.at("value"), "value"), options);
+  const auto result = layer.forward(read_input<T>(in, "query"), read_input<T>(in, "key"),
+                                    read_input<T>(in, "value"), options);
   io::SafetensorsFile out;
   out.tensors["output"] = io::from_tensor(result.output);
   if (options.need_weights) out.tensors["attn_weights"] = io::from_tensor(result.attn_weights);
