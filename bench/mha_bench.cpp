@@ -16,8 +16,8 @@ mha::Tensor<float> random_tensor(const mha::Shape& shape, std::uint64_t seed) {
 }
 
 void set_flops(benchmark::State& state, double flops_per_iteration) {
-  state.counters["GFLOPS"] = benchmark::Counter(flops_per_iteration * 1e-9,
-                                                benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GFLOPS"] =
+      benchmark::Counter(flops_per_iteration * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
 void forward_reference(benchmark::State& state) {
@@ -49,7 +49,8 @@ void sdpa_reference(benchmark::State& state) {
 
 void gemm(benchmark::State& state) {
   const mha::Index n = state.range(0);
-  const mha::Matrix<float> a = random_tensor({n, n}, 1).matrix(), b = random_tensor({n, n}, 2).matrix();
+  const mha::Matrix<float> a = random_tensor({n, n}, 1).matrix(),
+                           b = random_tensor({n, n}, 2).matrix();
   mha::Matrix<float> c(n, n);
   for (auto _ : state) {
     c.noalias() = a * b;

@@ -102,16 +102,16 @@ Comparison compare(const mha::Tensor<T>& actual, const mha::Tensor<U>& expected,
 }  // namespace mha_test
 
 // CHECK that two tensors agree, printing the shape mismatch or the worst element.
-#define CHECK_TENSORS_CLOSE(actual, expected)                           \
+#define CHECK_TENSORS_CLOSE(actual, expected)                            \
   do {                                                                   \
     const auto mha_comparison = mha_test::compare((actual), (expected)); \
     INFO(mha_comparison.message);                                        \
     CHECK(mha_comparison.ok);                                            \
   } while (false)
 
-#define CHECK_TENSORS_CLOSE_TOL(actual, expected, rtol, atol)                         \
-  do {                                                                                 \
+#define CHECK_TENSORS_CLOSE_TOL(actual, expected, rtol, atol)                            \
+  do {                                                                                   \
     const auto mha_comparison = mha_test::compare((actual), (expected), (rtol), (atol)); \
-    INFO(mha_comparison.message);                                                      \
-    CHECK(mha_comparison.ok);                                                          \
+    INFO(mha_comparison.message);                                                        \
+    CHECK(mha_comparison.ok);                                                            \
   } while (false)

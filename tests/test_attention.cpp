@@ -197,12 +197,14 @@ TEST_CASE("sdpa refuses inconsistent shapes, naming the argument", "[attention][
   CHECK_THROWS_WITH(mha::scaled_dot_product_attention(q, k, Tensor<float>({2, 4, 6})),
                     "value: expected [2, 5, *], got [2, 4, 6]");
   CHECK_THROWS_AS(mha::scaled_dot_product_attention(Tensor<float>({4}), k, v), mha::ShapeError);
-  CHECK_THROWS_AS(mha::scaled_dot_product_attention(Tensor<float>({2, 4, 0}), Tensor<float>({2, 5, 0}), v),
-                  mha::ShapeError);
+  CHECK_THROWS_AS(
+      mha::scaled_dot_product_attention(Tensor<float>({2, 4, 0}), Tensor<float>({2, 5, 0}), v),
+      mha::ShapeError);
   mha::AttentionOptions<float> options;
   options.mask = Mask<float>::blocked_where_true(Tensor<bool>({4, 4}));
-  CHECK_THROWS_WITH(mha::scaled_dot_product_attention(q, k, v, options),
-                    "mask: expected [L, S], [H, L, S] or [B, H, L, S] with L = 4, S = 5, got [4, 4]");
+  CHECK_THROWS_WITH(
+      mha::scaled_dot_product_attention(q, k, v, options),
+      "mask: expected [L, S], [H, L, S] or [B, H, L, S] with L = 4, S = 5, got [4, 4]");
   options.mask = Mask<float>::additive(Tensor<float>({3, 4, 5}));
   CHECK_THROWS_AS(mha::scaled_dot_product_attention(q, k, v, options), mha::ShapeError);
   options.mask = Mask<float>();

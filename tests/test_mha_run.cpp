@@ -110,7 +110,8 @@ TEST_CASE("mha_run refuses bad input with exit code 1 and one line", "[mha_run][
                                    bytes.size() / 2, bytes.size() - 1}) {
     INFO("truncated to " << length);
     write_bytes(dir / "truncated.safetensors", bytes.substr(0, length));
-    check_refused("'" + (dir / "truncated.safetensors").string() + "' " + out, "truncated.safetensors");
+    check_refused("'" + (dir / "truncated.safetensors").string() + "' " + out,
+                  "truncated.safetensors");
   }
 
   // Valid files with bad content, written through the library.

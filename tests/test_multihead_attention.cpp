@@ -43,8 +43,10 @@ TEMPLATE_TEST_CASE("with one head, MHA is plain single-head attention", "[mha]",
   const auto value = mha_test::random_tensor<T>({1, S, E}, 3);
   const auto result = layer.forward(query, key, value);
 
-  const Matrix<double> w = Tensor<T>(layer.parameter("in_proj_weight")).matrix().template cast<double>();
-  const Matrix<double> bias = Tensor<T>(layer.parameter("in_proj_bias")).matrix().template cast<double>();
+  const Matrix<double> w =
+      Tensor<T>(layer.parameter("in_proj_weight")).matrix().template cast<double>();
+  const Matrix<double> bias =
+      Tensor<T>(layer.parameter("in_proj_bias")).matrix().template cast<double>();
   const auto project = [&](const Tensor<T>& x, Index which) {
     Matrix<double> y = x.matrix().template cast<double>() * w.middleRows(which * E, E).transpose();
     y.rowwise() += bias.row(0).segment(which * E, E);
@@ -52,9 +54,11 @@ TEMPLATE_TEST_CASE("with one head, MHA is plain single-head attention", "[mha]",
   };
   Matrix<double> scores = project(query, 0) * project(key, 1).transpose() / std::sqrt(double(E));
   mha::softmax_rows_inplace(scores);
-  Matrix<double> out = scores * project(value, 2) *
-                       Tensor<T>(layer.parameter("out_proj.weight")).matrix().template cast<double>().transpose();
-  out.rowwise() += Tensor<T>(layer.parameter("out_proj.bias")).matrix().template cast<double>().row(0);
+  Matrix<double> out =
+      scores * project(value, 2) *
+      Tensor<T>(layer.parameter("out_proj.weight")).matrix().template cast<double>().transpose();
+  out.rowwise() +=
+      Tensor<T>(layer.parameter("out_proj.bias")).matrix().template cast<double>().row(0);
   Tensor<double> expected({1, L, E});
   expected.matrix() = out;
   Tensor<double> expected_weights({1, L, S});
@@ -82,8 +86,8 @@ TEMPLATE_TEST_CASE("each head attends in its own feature columns", "[mha][heads]
   }
   mha::AttentionOptions<T> sdpa;
   sdpa.need_weights = true;
-  const auto heads = mha::scaled_dot_product_attention(mha::split_heads(q, H), mha::split_heads(k, H),
-                                                       mha::split_heads(v, H), sdpa);
+  const auto heads = mha::scaled_dot_product_attention(
+      mha::split_heads(q, H), mha::split_heads(k, H), mha::split_heads(v, H), sdpa);
   Tensor<T> expected = mha::merge_heads(heads.output);
   const auto wo = Tensor<T>(layer.parameter("out_proj.weight"));
   const auto bo = Tensor<T>(layer.parameter("out_proj.bias"));
@@ -136,7 +140,8 @@ TEMPLATE_TEST_CASE("with is_causal, position t does not depend on inputs after t
       const auto after = result.output[b].matrix().topRows(t + 1);
       CHECK((before - after).cwiseAbs().maxCoeff() == T(0));
       // and the future did change the future: the test can fail
-      CHECK((base.output[b].matrix().row(L - 1) - result.output[b].matrix().row(L - 1)).norm() > T(0));
+      CHECK((base.output[b].matrix().row(L - 1) - result.output[b].matrix().row(L - 1)).norm() >
+            T(0));
     }
   }
 }
@@ -226,14 +231,15 @@ TEST_CASE("default initialisation follows PyTorch's formulas and the seed", "[mh
 TEST_CASE("parameters carry PyTorch's state_dict names and shapes", "[mha][params]") {
   MultiHeadAttentionConfig config(6, 3);
   CHECK(MultiHeadAttention<float>(config).parameter_names() ==
-        std::vector<std::string>{"in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"});
+        std::vector<std::string>{"in_proj_weight", "in_proj_bias", "out_proj.weight",
+                                 "out_proj.bias"});
   config.kdim = 4;
   config.add_bias_kv = true;
   config.bias = false;
   const MultiHeadAttention<float> separate(config);
-  CHECK(separate.parameter_names() ==
-        std::vector<std::string>{"q_proj_weight", "k_proj_weight", "v_proj_weight", "bias_k",
-                                 "bias_v", "out_proj.weight"});
+  CHECK(separate.parameter_names() == std::vector<std::string>{"q_proj_weight", "k_proj_weight",
+                                                               "v_proj_weight", "bias_k", "bias_v",
+                                                               "out_proj.weight"});
   CHECK(separate.parameter("k_proj_weight").shape() == mha::Shape{6, 4});
   CHECK(separate.parameter("v_proj_weight").shape() == mha::Shape{6, 6});
   CHECK(separate.parameter("bias_v").shape() == mha::Shape{1, 1, 6});
@@ -243,7 +249,8 @@ TEST_CASE("parameters carry PyTorch's state_dict names and shapes", "[mha][param
   CHECK(!rebuilt.config().bias);
   CHECK(rebuilt.config().add_bias_kv);
   for (const auto& name : separate.parameter_names())
-    CHECK(Tensor<float>(rebuilt.parameter(name)).flat() == Tensor<float>(separate.parameter(name)).flat());
+    CHECK(Tensor<float>(rebuilt.parameter(name)).flat() ==
+          Tensor<float>(separate.parameter(name)).flat());
 }
 
 TEST_CASE("the layer refuses bad configurations", "[mha][errors]") {
@@ -280,8 +287,7 @@ TEST_CASE("forward refuses inputs of the wrong shape, naming them", "[mha][error
   CHECK_THROWS_WITH(layer.forward(q, k, v, options),
                     "key_padding_mask: expected [2, 4], got [2, 5]");
   options.key_padding_mask = Mask<float>::additive(Tensor<float>({4}));
-  CHECK_THROWS_WITH(layer.forward(q, k, v, options),
-                    "key_padding_mask: expected [2, 4], got [4]");
+  CHECK_THROWS_WITH(layer.forward(q, k, v, options), "key_padding_mask: expected [2, 4], got [4]");
   options.key_padding_mask = Mask<float>();
   options.attn_mask = Mask<float>::blocked_where_true(Tensor<bool>({3, 5}));
   CHECK_THROWS_WITH(layer.forward(q, k, v, options),
@@ -312,5 +318,6 @@ TEST_CASE("parameters and state dicts are checked before anything changes", "[mh
   auto bad = layer.state_dict();
   bad.erase("in_proj_weight");
   CHECK_THROWS_AS(MultiHeadAttention<double>::from_state_dict(bad, 2), mha::ShapeError);
-  CHECK_THROWS_AS(MultiHeadAttention<double>::from_state_dict(layer.state_dict(), 3), mha::ShapeError);
+  CHECK_THROWS_AS(MultiHeadAttention<double>::from_state_dict(layer.state_dict(), 3),
+                  mha::ShapeError);
 }

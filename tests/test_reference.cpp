@@ -18,7 +18,8 @@ std::vector<std::string> fixture_names() {
   const std::string suffix = ".in.safetensors";
   for (const auto& entry : fs::directory_iterator(MHA_REFERENCE_DIR)) {
     const std::string file = entry.path().filename().string();
-    if (file.size() > suffix.size() && file.compare(file.size() - suffix.size(), suffix.size(), suffix) == 0) {
+    if (file.size() > suffix.size() &&
+        file.compare(file.size() - suffix.size(), suffix.size(), suffix) == 0) {
       names.push_back(file.substr(0, file.size() - suffix.size()));
     }
   }
@@ -42,9 +43,10 @@ TEST_CASE("outputs and weights equal PyTorch's on every reference fixture", "[re
   REQUIRE(names.size() >= 30);
   for (const auto& name : names) {
     INFO("fixture " << name << " (" << MHA_REFERENCE_DIR << "/" << name << ".in.safetensors)");
-    const auto in = mha::io::read_safetensors(std::string(MHA_REFERENCE_DIR) + "/" + name + ".in.safetensors");
-    const auto expected =
-        mha::io::read_safetensors(std::string(MHA_REFERENCE_DIR) + "/" + name + ".expected.safetensors");
+    const auto in =
+        mha::io::read_safetensors(std::string(MHA_REFERENCE_DIR) + "/" + name + ".in.safetensors");
+    const auto expected = mha::io::read_safetensors(std::string(MHA_REFERENCE_DIR) + "/" + name +
+                                                    ".expected.safetensors");
     const auto out = mha::tools::run_multihead_attention(in);
     REQUIRE(out.tensors.size() == expected.tensors.size());
     for (const auto& entry : expected.tensors) {

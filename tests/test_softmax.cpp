@@ -10,13 +10,14 @@ TEMPLATE_TEST_CASE("softmax rows sum to 1 and are positive", "[softmax]", float,
   const auto scores = mha_test::random_tensor<TestType>({7, 13}, 5, 3.0);
   const Matrix<TestType> p = mha::softmax_rows(scores.matrix());
   for (Index r = 0; r < p.rows(); ++r) {
-    CHECK(std::abs(p.row(r).sum() - TestType(1)) < TestType(10) * std::numeric_limits<TestType>::epsilon());
+    CHECK(std::abs(p.row(r).sum() - TestType(1)) <
+          TestType(10) * std::numeric_limits<TestType>::epsilon());
     CHECK(p.row(r).minCoeff() > TestType(0));
   }
 }
 
-TEMPLATE_TEST_CASE("softmax does not change when a constant is added to a row", "[softmax]",
-                   float, double) {
+TEMPLATE_TEST_CASE("softmax does not change when a constant is added to a row", "[softmax]", float,
+                   double) {
   const auto scores = mha_test::random_tensor<TestType>({4, 9}, 6);
   const Matrix<TestType> p = mha::softmax_rows(scores.matrix());
   for (const TestType shift : {TestType(-50), TestType(3), TestType(1000)}) {

@@ -52,8 +52,7 @@ TEST_CASE("split_heads refuses bad shapes and head counts", "[heads][errors]") {
   CHECK_THROWS_AS(mha::split_heads(Tensor<float>({3, 6}), 2), mha::ShapeError);
   CHECK_THROWS_AS(mha::merge_heads(x), mha::ShapeError);
   CHECK_THROWS_AS(mha::head_view<float>(x.view(), 2, 2, 0), mha::ShapeError);
-  CHECK_THROWS_WITH(mha::split_heads(x, 4),
-                    "x: embed_dim 6 is not divisible by num_heads 4");
+  CHECK_THROWS_WITH(mha::split_heads(x, 4), "x: embed_dim 6 is not divisible by num_heads 4");
 }
 
 TEST_CASE("Tensor keeps PyTorch's row-major layout", "[tensor]") {

@@ -4,8 +4,8 @@
 #pragma once
 
 #include <set>
-#include <type_traits>
 #include <string>
+#include <type_traits>
 
 #include "mha/io/safetensors.hpp"
 #include "mha/mha.hpp"

@@ -90,8 +90,8 @@ void attention_reference(Index batch, Index heads, const HeadLayout<const T>& q,
       auto out_bh = out.at(b, h);
       out_bh.noalias() = scores * v.at(b, h);
       if (weights != nullptr) {
-        Eigen::Map<Matrix<T>>(weights + (b * heads + h) * query_len * key_len, query_len,
-                              key_len) = scores;
+        Eigen::Map<Matrix<T>>(weights + (b * heads + h) * query_len * key_len, query_len, key_len) =
+            scores;
       }
     }
   }
@@ -118,12 +118,12 @@ struct AttentionResult {
 // query is [..., L, D], key [..., S, D], value [..., S, Dv], where "..." is the same zero, one
 // (H) or two (B, H) leading axes for all three. Every head is computed independently.
 template <class T>
-AttentionResult<T> scaled_dot_product_attention(TensorView<const T> query,
-                                                TensorView<const T> key,
+AttentionResult<T> scaled_dot_product_attention(TensorView<const T> query, TensorView<const T> key,
                                                 TensorView<const T> value,
                                                 const AttentionOptions<T>& options = {}) {
   const Index rank = query.rank();
-  if (rank < 2 || rank > 4) detail::throw_shape("query", "[L, D], [H, L, D] or [B, H, L, D]", query.shape());
+  if (rank < 2 || rank > 4)
+    detail::throw_shape("query", "[L, D], [H, L, D] or [B, H, L, D]", query.shape());
   const Shape leading(query.shape().begin(), query.shape().end() - 2);
   const Index query_len = query.dim(rank - 2), head_dim = query.dim(rank - 1);
   if (head_dim == 0) detail::throw_shape("query", "a head dimension D >= 1", query.shape());
@@ -145,8 +145,9 @@ AttentionResult<T> scaled_dot_product_attention(TensorView<const T> query,
   if (!std::isfinite(core.scale)) {
     detail::throw_argument("scale", "must be finite, got " + std::to_string(core.scale));
   }
-  const std::string accepted = "[L, S], [H, L, S] or [B, H, L, S] with L = " +
-                               std::to_string(query_len) + ", S = " + std::to_string(key_len);
+  const std::string accepted =
+      "[L, S], [H, L, S] or [B, H, L, S] with L = " + std::to_string(query_len) +
+      ", S = " + std::to_string(key_len);
   core.attn_mask = detail::broadcast_mask_layout(options.mask, "mask", batch, heads, query_len,
                                                  key_len, accepted);
   core.causal = options.causal;

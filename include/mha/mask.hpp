@@ -67,7 +67,9 @@ class Mask {
 
   MaskKind kind() const { return kind_; }
   bool empty() const { return kind_ == MaskKind::none; }
-  const Shape& shape() const { return kind_ == MaskKind::additive ? values_.shape() : bools_.shape(); }
+  const Shape& shape() const {
+    return kind_ == MaskKind::additive ? values_.shape() : bools_.shape();
+  }
   Index rank() const { return static_cast<Index>(shape().size()); }
   const Tensor<bool>& booleans() const { return bools_; }
   const Tensor<T>& values() const { return values_; }

@@ -5,12 +5,12 @@
 // The dimension letters (B, L, S, E, H, D) are defined in mha/tensor.hpp.
 #pragma once
 
-#include "mha/version.hpp"
-#include "mha/errors.hpp"
-#include "mha/tensor.hpp"
-#include "mha/heads.hpp"
-#include "mha/softmax.hpp"
-#include "mha/mask.hpp"
 #include "mha/attention.hpp"
+#include "mha/errors.hpp"
+#include "mha/heads.hpp"
 #include "mha/init.hpp"
+#include "mha/mask.hpp"
 #include "mha/multihead_attention.hpp"
+#include "mha/softmax.hpp"
+#include "mha/tensor.hpp"
+#include "mha/version.hpp"

@@ -249,9 +249,9 @@ class MultiHeadAttention {
     const Index embed = config_.embed_dim, heads = config_.num_heads;
     const bool batched = query.rank() == 3;
     if (!batched && query.rank() != 2) {
-      detail::throw_shape("query", "[B, L, " + std::to_string(embed) + "] or [L, " +
-                                       std::to_string(embed) + "]",
-                          query.shape());
+      detail::throw_shape(
+          "query", "[B, L, " + std::to_string(embed) + "] or [L, " + std::to_string(embed) + "]",
+          query.shape());
     }
     const Index batch = batched ? query.dim(0) : 1;
     const Index query_len = query.dim(query.rank() - 2);
@@ -262,19 +262,19 @@ class MultiHeadAttention {
       return batched ? Shape{batch, detail::kAnyDim, width} : Shape{detail::kAnyDim, width};
     };
     detail::check_shape("key", input_shape(config_.kdim), key.shape());
-    const Shape value_shape = batched ? Shape{batch, key_len, config_.vdim}
-                                      : Shape{key_len, config_.vdim};
+    const Shape value_shape =
+        batched ? Shape{batch, key_len, config_.vdim} : Shape{key_len, config_.vdim};
     detail::check_shape("value", value_shape, value.shape());
 
     // S' keys: the inputs', then bias_k, then the zero key.
-    const Index total_keys = key_len + (config_.add_bias_kv ? 1 : 0) + (config_.add_zero_attn ? 1 : 0);
+    const Index total_keys =
+        key_len + (config_.add_bias_kv ? 1 : 0) + (config_.add_zero_attn ? 1 : 0);
     const Index head_dim = embed / heads;
 
     detail::CoreOptions<T> core;
     core.scale = T(1) / std::sqrt(static_cast<T>(head_dim));
     core.attn_mask = attn_mask_layout(options.attn_mask, batched, batch, query_len, key_len);
-    core.key_padding_mask =
-        key_padding_layout(options.key_padding_mask, batched, batch, key_len);
+    core.key_padding_mask = key_padding_layout(options.key_padding_mask, batched, batch, key_len);
     core.causal = options.is_causal ? Causal::top_left : Causal::none;
     core.causal_cols = key_len;
 
@@ -295,9 +295,8 @@ class MultiHeadAttention {
     detail::attention_reference<T>(
         batch, heads, heads_of(static_cast<const T*>(q.data()), query_len),
         heads_of(static_cast<const T*>(k.data()), total_keys),
-        heads_of(static_cast<const T*>(v.data()), total_keys),
-        heads_of(attended.data(), query_len), core,
-        options.need_weights ? per_head_weights.data() : nullptr);
+        heads_of(static_cast<const T*>(v.data()), total_keys), heads_of(attended.data(), query_len),
+        core, options.need_weights ? per_head_weights.data() : nullptr);
 
     ForwardResult<T> result;
     result.output = Tensor<T>(query_shape);
@@ -365,7 +364,9 @@ class MultiHeadAttention {
       return Eigen::Map<const Matrix<T>>(in_proj_weight_.data() + which * embed * embed, embed,
                                          embed);
     }
-    const Tensor<T>& weight = which == 0 ? q_proj_weight_ : which == 1 ? k_proj_weight_ : v_proj_weight_;
+    const Tensor<T>& weight = which == 0   ? q_proj_weight_
+                              : which == 1 ? k_proj_weight_
+                                           : v_proj_weight_;
     return Eigen::Map<const Matrix<T>>(weight.data(), weight.dim(0), weight.dim(1));
   }
 

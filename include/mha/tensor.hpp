@@ -196,7 +196,9 @@ class Tensor {
 };
 
 // "[2, 5, 16]": how shapes are written in messages and examples.
-inline std::string to_string(const Shape& shape) { return detail::format_shape(shape); }
+inline std::string to_string(const Shape& shape) {
+  return detail::format_shape(shape);
+}
 
 template <class T>
 TensorView<T> make_view(T* data, Shape shape) {
