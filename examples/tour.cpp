@@ -37,12 +37,12 @@ constexpr Index kHeadDim = kEmbed / kHeads;  // D = 8
 // How the 64 embedding dimensions are used. Real models add the position code to the word vector
 // over all dimensions and let training find room for each; here they sit in separate dimensions
 // so that a hand-built head can read the word alone or the position alone.
-constexpr Index kIdentityDims = 24;  // dims 0-23: the word's identity, a seeded random vector
-constexpr Index kPronoun = 24;       // dims 24-31: hand-set word features
-constexpr Index kAnimate = 25;
-constexpr Index kNoun = 26;
-constexpr Index kPositionBegin = 32;  // dims 32-63: the sinusoidal position code
-constexpr Index kPositionDims = 32;
+constexpr Index kIdentityDims = 8;  // dims 0-7: the word's identity, a seeded random direction
+constexpr Index kPronoun = 8;       // dims 8-15: hand-set word features
+constexpr Index kAnimate = 9;
+constexpr Index kNoun = 10;
+constexpr Index kPositionBegin = 16;  // dims 16-63: the sinusoidal position code
+constexpr Index kPositionDims = 48;
 
 // The three blocks of in_proj_weight [3E, E]: rows 0:E are W_q, E:2E W_k, 2E:3E W_v.
 enum Projection : Index { kQuery = 0, kKey = 1, kValue = 2 };
@@ -82,9 +82,14 @@ mha::Tensor<float> embed_sentence() {
   mha::Tensor<float> x({1, kLength, kEmbed});
   for (Index i = 0; i < kLength; ++i) {
     const std::string word = lowercase(kTokens[static_cast<std::size_t>(i)]);
-    // Seeded by the lowercased word, so "The" and "the" share their identity.
+    // Seeded by the lowercased word, so "The" and "the" share their identity. Every word gets
+    // the same length, sqrt(8), so that a dot product of two words compares directions only
+    // (real models keep lengths in check with LayerNorm).
     mha::Random random(word_seed(word));
-    for (Index d = 0; d < kIdentityDims; ++d) x(0, i, d) = static_cast<float>(random.normal());
+    Eigen::VectorXd identity(kIdentityDims);
+    for (Index d = 0; d < kIdentityDims; ++d) identity(d) = random.normal();
+    identity *= std::sqrt(static_cast<double>(kIdentityDims)) / identity.norm();
+    for (Index d = 0; d < kIdentityDims; ++d) x(0, i, d) = static_cast<float>(identity(d));
     if (word == "it") x(0, i, kPronoun) = 1.0f;
     if (word == "animal") x(0, i, kAnimate) = 1.0f;
     if (word == "animal" || word == "street") x(0, i, kNoun) = 1.0f;
@@ -107,8 +112,8 @@ Eigen::Map<mha::Matrix<float>> head_rows(Layer& layer, Projection which, Index h
   return Eigen::Map<mha::Matrix<float>>(first, kHeadDim, kEmbed);
 }
 
-// Clears the head's W_q and W_k rows and lets its value be the first D identity dimensions of
-// the word it attends to: what a head passes on is set by W_v, where it looks by W_q and W_k.
+// Clears the head's W_q and W_k rows and makes its value the identity (dims 0-7) of the word it
+// attends to: W_q and W_k decide where a head looks, W_v what it passes on.
 void start_head(Layer& layer, Index head) {
   head_rows(layer, kQuery, head).setZero();
   head_rows(layer, kKey, head).setZero();
@@ -138,9 +143,9 @@ void build_previous_token_head(Layer& layer, Index head, float gain) {
   }
 }
 
-// Query and key are the same D identity dimensions: q_i . k_j is the similarity of the two
-// words, largest for the same word. Random vectors in only D = 8 dimensions are not quite
-// orthogonal, so other words get a little weight too.
+// Query and key are both the word's identity: q_i . k_j = gain^2 * (cosine of the two words)
+// * 8, largest for the same word. Ten random directions in only 8 dimensions cannot all be
+// orthogonal, so words that happen to point alike get some weight too.
 void build_same_word_head(Layer& layer, Index head, float gain) {
   start_head(layer, head);
   auto w_q = head_rows(layer, kQuery, head);
@@ -190,18 +195,23 @@ const char* shade(float weight) {
 
 const char* token(Index i) { return kTokens[static_cast<std::size_t>(i)]; }
 
+// Prints a line without its trailing spaces.
+void print_trimmed(std::string line) {
+  line.erase(line.find_last_not_of(' ') + 1);
+  std::printf("%s\n", line.c_str());
+}
+
 // weights is [B, H, L, S]; prints heads `left` and `right` side by side, rows = query tokens,
 // columns = key tokens numbered as the rows.
 void print_heatmap_pair(const mha::Tensor<float>& weights, Index left, Index right) {
   std::printf("\n           %-35s%s\n", kHeadTitles[static_cast<std::size_t>(left)],
               kHeadTitles[static_cast<std::size_t>(right)]);
-  std::string header = "  query \\ key";
-  header.resize(11, ' ');
+  std::string header = "query\\key ";
   for (Index grid = 0; grid < 2; ++grid) {
     for (Index j = 0; j < kLength; ++j) header += (j < 10 ? " " : "") + std::to_string(j) + " ";
     header += "  ";
   }
-  std::printf("%s\n", header.c_str());
+  print_trimmed(header);
   for (Index i = 0; i < kLength; ++i) {
     char label[16];
     std::snprintf(label, sizeof label, "%2td %-7s ", i, token(i));
@@ -210,7 +220,7 @@ void print_heatmap_pair(const mha::Tensor<float>& weights, Index left, Index rig
       for (Index j = 0; j < kLength; ++j) line += std::string(shade(weights(0, head, i, j))) + " ";
       line += "  ";
     }
-    std::printf("%s\n", line.c_str());
+    print_trimmed(line);
   }
 }
 
@@ -297,9 +307,10 @@ void print_part_one_intro() {
       "Self-attention over \"The animal didn't cross the street because it was too tired\":\n"
       "the input x is [B, L, E] = [1, 11, 64], and the keys are the same 11 tokens (S = L).\n"
       "Each token's 64 numbers:\n"
-      "  dims  0-23  the word: a seeded random vector (the same for \"The\" and \"the\")\n"
-      "  dims 24-31  hand-set word features: 24 = pronoun, 25 = animate, 26 = noun\n"
-      "  dims 32-63  the sinusoidal position code of \"Attention Is All You Need\" (d_model 32)\n"
+      "  dims  0-7   the word: a seeded random direction of length sqrt(8), the same for\n"
+      "              \"The\" and \"the\"\n"
+      "  dims  8-15  hand-set word features: 8 = pronoun, 9 = animate, 10 = noun\n"
+      "  dims 16-63  the sinusoidal position code of \"Attention Is All You Need\" (d_model 48)\n"
       "Real models add the position code over all dimensions; keeping word and position apart\n"
       "lets a hand-built head read one of them alone.\n"
       "\n"
