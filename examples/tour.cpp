@@ -50,9 +50,8 @@ enum Projection : Index { kQuery = 0, kKey = 1, kValue = 2 };
 // The hand-built heads; heads 4-7 stay as initialised.
 constexpr Index kPreviousHead = 0, kSameWordHead = 1, kFirstTokenHead = 2, kCorefHead = 3;
 const std::array<const char*, kHeads> kHeadTitles = {
-    "head 0: previous token [built]", "head 1: same word [built]",
-    "head 2: first token [built]",    "head 3: coreference [built]",
-    "head 4: untrained, random",      "head 5: untrained, random",
+    "head 0: previous token [built]", "head 1: same word [built]", "head 2: first token [built]",
+    "head 3: coreference [built]",    "head 4: untrained, random", "head 5: untrained, random",
     "head 6: untrained, random",      "head 7: untrained, random"};
 
 // ---- token embeddings ------------------------------------------------------------------------
@@ -193,7 +192,9 @@ const char* shade(float weight) {
   return "██";
 }
 
-const char* token(Index i) { return kTokens[static_cast<std::size_t>(i)]; }
+const char* token(Index i) {
+  return kTokens[static_cast<std::size_t>(i)];
+}
 
 // Prints a line without its trailing spaces.
 void print_trimmed(std::string line) {
@@ -251,9 +252,13 @@ void check_same_word_head(const mha::Tensor<float>& weights) {
   for (Index i = 0; i < kLength; ++i) {
     hits += lowercase(token(argmax(weights, kSameWordHead, i))) == lowercase(token(i)) ? 1 : 0;
   }
-  std::printf("  head 1: rows whose largest weight is on the same word: %td/11; "
-              "\"the\" (4) -> \"The\" (0): %.2f\n",
-              hits, static_cast<double>(weights(0, kSameWordHead, 4, 0)));
+  std::printf(
+      "  head 1: rows whose largest weight is on the same word: %td/11\n"
+      "          \"the\" (4) -> \"The\" (0): %.2f, -> itself: %.2f (a tie: no position)\n"
+      "          \"tired\" (10) -> \"it\" (7): %.2f (their random directions are close)\n",
+      hits, static_cast<double>(weights(0, kSameWordHead, 4, 0)),
+      static_cast<double>(weights(0, kSameWordHead, 4, 4)),
+      static_cast<double>(weights(0, kSameWordHead, 10, kIt)));
 }
 
 void check_first_token_head(const mha::Tensor<float>& weights) {
@@ -268,10 +273,11 @@ void check_first_token_head(const mha::Tensor<float>& weights) {
 }
 
 void check_coreference_head(const mha::Tensor<float>& weights) {
-  std::printf("  head 3: \"it\" -> \"animal\": %.2f, \"it\" -> \"street\": %.2f; the other rows "
-              "give every key 1/11 = %.3f\n",
-              static_cast<double>(weights(0, kCorefHead, kIt, kAnimal)),
-              static_cast<double>(weights(0, kCorefHead, kIt, kStreet)), 1.0 / 11.0);
+  std::printf(
+      "  head 3: \"it\" -> \"animal\": %.2f, \"it\" -> \"street\": %.2f; every other row\n"
+      "          has a zero query, so it gives each key the same weight 1/11 = %.3f\n",
+      static_cast<double>(weights(0, kCorefHead, kIt, kAnimal)),
+      static_cast<double>(weights(0, kCorefHead, kIt, kStreet)), 1.0 / 11.0);
 }
 
 void check_random_heads(const mha::Tensor<float>& weights) {
@@ -281,10 +287,11 @@ void check_random_heads(const mha::Tensor<float>& weights) {
     low = std::min(low, all.minCoeff());
     high = std::max(high, all.maxCoeff());
   }
-  std::printf("  heads 4-7: every weight lies in [%.3f, %.3f], close to uniform 1/11 = %.3f:\n"
-              "             small random W_q, W_k give small scores, and softmax of small scores\n"
-              "             is nearly flat. Any pattern there is chance, not meaning.\n",
-              static_cast<double>(low), static_cast<double>(high), 1.0 / 11.0);
+  std::printf(
+      "  heads 4-7: all weights in [%.3f, %.3f], near uniform 1/11 = %.3f:\n"
+      "             small random W_q, W_k give small scores, and a softmax of small\n"
+      "             scores is nearly flat. Any pattern there is chance, not meaning.\n",
+      static_cast<double>(low), static_cast<double>(high), 1.0 / 11.0);
 }
 
 // Each row is a softmax, so it sums to 1 (up to float rounding).
@@ -304,28 +311,35 @@ void print_part_one_intro() {
   std::printf(
       "1. Eight heads reading one sentence\n"
       "\n"
-      "Self-attention over \"The animal didn't cross the street because it was too tired\":\n"
-      "the input x is [B, L, E] = [1, 11, 64], and the keys are the same 11 tokens (S = L).\n"
-      "Each token's 64 numbers:\n"
-      "  dims  0-7   the word: a seeded random direction of length sqrt(8), the same for\n"
-      "              \"The\" and \"the\"\n"
-      "  dims  8-15  hand-set word features: 8 = pronoun, 9 = animate, 10 = noun\n"
-      "  dims 16-63  the sinusoidal position code of \"Attention Is All You Need\" (d_model 48)\n"
-      "Real models add the position code over all dimensions; keeping word and position apart\n"
-      "lets a hand-built head read one of them alone.\n"
+      "Self-attention over the 11 tokens of\n"
+      "  \"The animal didn't cross the street because it was too tired\"\n"
+      "Input x: [B, L, E] = [1, 11, 64]. Keys are the same tokens, so S = L = 11.\n"
+      "Each token is 64 numbers:\n"
+      "  dims  0-7   the word: a seeded random direction of length sqrt(8)\n"
+      "              (\"The\" and \"the\" get the same one)\n"
+      "  dims  8-10  hand-set word features: 8 = pronoun, 9 = animate, 10 = noun\n"
+      "  dims 11-15  zero\n"
+      "  dims 16-63  the sinusoidal position code of \"Attention Is All You Need\"\n"
+      "              (d_model = 48)\n"
+      "Real models add the position code over all dimensions. Keeping word and\n"
+      "position apart lets a hand-built head read one of them alone.\n"
       "\n"
-      "The layer is mha::MultiHeadAttention<float>(64, 8), so D = 64 / 8 = 8. Head h owns\n"
-      "columns h*D..(h+1)*D of q, k and v, i.e. rows h*D..(h+1)*D of W_q, W_k and W_v, which\n"
-      "live in in_proj_weight [3E, E] = [192, 64].\n"
-      "  Heads 0-3 are CONSTRUCTED: we wrote their rows of W_q, W_k, W_v by hand to show four\n"
-      "    patterns the tutorial describes. They learned nothing.\n"
-      "  Heads 4-7 keep the library's seeded default (xavier-uniform) weights: untrained, random.\n"
-      "  Training comes in a later part of the library; then heads find their roles themselves.\n"
+      "The layer is mha::MultiHeadAttention<float>(64, 8), so D = 64 / 8 = 8.\n"
+      "Head h owns columns h*D..(h+1)*D of q, k and v: rows h*D..(h+1)*D of W_q,\n"
+      "W_k and W_v, which live in in_proj_weight [3E, E] = [192, 64]. Each head\n"
+      "runs softmax(q kᵀ / sqrt(D)) v on its own 8 columns; the 8 results are put\n"
+      "side by side into [L, E] again and mixed by W_O (out_proj).\n"
+      "  Heads 0-3 are CONSTRUCTED: we wrote their rows of W_q, W_k, W_v by hand\n"
+      "    to show patterns the tutorial describes. They learned nothing.\n"
+      "  Heads 4-7 keep the library's seeded default (xavier-uniform) weights:\n"
+      "    untrained, random.\n"
+      "  Training comes in a later part of the library; only then do heads find\n"
+      "  roles of their own.\n"
       "\n"
-      "forward(x) with need_weights and average_attn_weights = false returns the output\n"
-      "[B, L, E] and one [L, S] weight matrix per head, [B, H, L, S] in all. Row i is how\n"
-      "query token i spreads its attention over the keys; each row is a softmax, so it sums\n"
-      "to 1.\n");
+      "forward(x) with need_weights and average_attn_weights = false returns\n"
+      "the output [B, L, E] and one [L, S] weight matrix per head: [B, H, L, S].\n"
+      "Row i says how query token i spreads its attention over the keys. Each\n"
+      "row is a softmax, so it sums to 1.\n");
 }
 
 Layer make_tour_layer() {
@@ -336,7 +350,7 @@ Layer make_tour_layer() {
   // sqrt(D) inside the layer.
   build_previous_token_head(layer, kPreviousHead, 3.0f);
   build_same_word_head(layer, kSameWordHead, 1.2f);
-  build_first_token_head(layer, kFirstTokenHead, 3.0f, 3.0f);
+  build_first_token_head(layer, kFirstTokenHead, 2.0f, 2.0f);
   build_coreference_head(layer, kCorefHead, 2.7f);
   return layer;
 }
@@ -351,7 +365,8 @@ void part_one() {
   const mha::ForwardResult<float> result = layer.forward(x, options);
   std::printf("\noutput %s, attn_weights %s\n", mha::to_string(result.output.shape()).c_str(),
               mha::to_string(result.attn_weights.shape()).c_str());
-  std::printf("shades: \"  \" < 0.05 <= \"░░\" < 0.20 <= \"▒▒\" < 0.40 <= \"▓▓\" < 0.70 <= \"██\"\n");
+  std::printf(
+      "shades: \"  \" < 0.05 <= \"░░\" < 0.20 <= \"▒▒\" < 0.40 <= \"▓▓\" < 0.70 <= \"██\"\n");
 
   const mha::Tensor<float>& weights = result.attn_weights;
   print_heatmap_pair(weights, 0, 1);
@@ -383,43 +398,64 @@ std::string with_commas(std::int64_t n) {
   return digits;
 }
 
-void part_two() {
-  constexpr std::int64_t d = 768, n = 512;
+// Prints cells right-aligned in the ledger's columns. Widths count characters, not bytes, so
+// "QKᵀ" and "n²" line up.
+void print_ledger_row(const std::array<std::string, 7>& cells) {
+  constexpr std::array<std::size_t, 7> kWidths = {4, 6, 12, 15, 14, 14, 10};
+  std::string line;
+  for (std::size_t c = 0; c < cells.size(); ++c) {
+    std::size_t chars = 0;
+    for (char byte : cells[c]) chars += (static_cast<unsigned char>(byte) & 0xC0) != 0x80 ? 1 : 0;
+    line += std::string(kWidths[c] > chars ? kWidths[c] - chars : 0, ' ') + cells[c];
+  }
+  print_trimmed(line);
+}
+
+void print_ledger_intro() {
   std::printf(
       "\n2. The dimension ledger: does splitting d = 768 into h heads cost more?\n"
       "\n"
-      "For each h a real mha::MultiHeadAttention<float>(768, h) is built and its parameters\n"
-      "(W_Q, W_K, W_V, W_O and biases) are counted. FLOPs are for n = 512 tokens, one\n"
-      "multiply-add = 2 FLOPs, summed over heads from per-head costs (each head works in D dims).\n"
-      "\n"
-      "   h     D  parameters   projections   QKᵀ and PV  softmax exps  exps / all FLOPs\n"
-      "                          h·8·n·d·D    h·4·n²·D        h·n²\n");
-  std::int64_t first_parameters = -1;
+      "For each h, a real mha::MultiHeadAttention<float>(768, h) is built and the\n"
+      "sizes of its parameters (W_Q, W_K, W_V, W_O and biases) are added up.\n"
+      "FLOPs are for n = 512 tokens (one multiply-add = 2 FLOPs), summed over the\n"
+      "heads from what one head costs in its own D = d / h dimensions.\n"
+      "\n");
+  print_ledger_row(
+      {"h", "D", "parameters", "projections", "QKᵀ and PV", "softmax exps", "exps/all"});
+  print_ledger_row({"", "", "(counted)", "h·8·n·d·D", "h·4·n²·D", "h·n²", ""});
+  print_ledger_row({"", "", "", "= 8·n·d²", "= 4·n²·d", "", ""});
+}
+
+void part_two() {
+  constexpr std::int64_t d = 768, n = 512;
+  print_ledger_intro();
+  double exp_share = 0.0;  // of the last (largest) h
   for (const std::int64_t h : {1, 2, 4, 8, 12, 16, 24}) {
     const Layer layer(d, h);
-    const std::int64_t parameters = count_parameters(layer);
-    if (first_parameters < 0) first_parameters = parameters;
     const std::int64_t head_dim = layer.head_dim();
-    // Per head: q, k, v, and the head's share of the output projection, each an n x d x D
-    // product. Then QKᵀ is n x n x D and PV is n x n x D.
+    // One head: its rows of W_Q, W_K, W_V and its D columns of W_O, each an n x d x D product;
+    // then QKᵀ (n x D times D x n) and PV (n x n times n x D); one exp per score.
     const std::int64_t projections = h * 4 * 2 * n * d * head_dim;
     const std::int64_t core = h * (2 * n * n * head_dim + 2 * n * n * head_dim);
     const std::int64_t exps = h * n * n;
-    const double share = 100.0 * static_cast<double>(exps) /
-                         static_cast<double>(projections + core + exps);
-    std::printf("%4td %5td %11s %13s %12s %13s %10.3f%%\n", static_cast<Index>(h),
-                static_cast<Index>(head_dim), with_commas(parameters).c_str(),
-                with_commas(projections).c_str(), with_commas(core).c_str(),
-                with_commas(exps).c_str(), share);
-    if (parameters != first_parameters) std::printf("     (parameter count changed!)\n");
+    exp_share = 100.0 * static_cast<double>(exps) / static_cast<double>(projections + core + exps);
+    char share[16];
+    std::snprintf(share, sizeof share, "%.3f%%", exp_share);
+    print_ledger_row({std::to_string(h), std::to_string(head_dim),
+                      with_commas(count_parameters(layer)), with_commas(projections),
+                      with_commas(core), with_commas(exps), share});
   }
   std::printf(
-      "\nh · D = d, so the parameters and both matmul columns are the same for every h: the\n"
-      "heads share out the same d x d budget. Only the softmax does h times the exponentials\n"
-      "(one n x n score matrix per head), and even at h = 24 that is 0.2%% of the FLOPs.\n"
-      "(torch's layer keeps W_O at h = 1 too, so the parameter count does not move at all.)\n"
-      "Conclusion: splitting d into h heads costs almost nothing extra; it buys h separate\n"
-      "softmaxes, h patterns of attention, for the price of one.\n");
+      "\nh · D = d, so the parameters and both matmul columns are the same for\n"
+      "every h: the heads share out one d x d budget rather than each taking a\n"
+      "new one (h = 12, D = 64 is GPT-2 small's choice). Only the softmax grows:\n"
+      "each head has its own n x n scores, so h heads take h·n² exponentials,\n"
+      "and even at h = 24 that is %.3f%% of the FLOPs. (torch's layer has W_O\n"
+      "even at h = 1, so the parameter count does not move at all.)\n"
+      "\n"
+      "Conclusion: splitting d into h heads costs almost nothing extra, and buys\n"
+      "h separate softmaxes, h patterns of attention like those in part 1.\n",
+      exp_share);
 }
 
 }  // namespace

@@ -140,7 +140,7 @@ MaskLayout<T> broadcast_mask_layout(const Mask<T>& mask, const char* argument, I
                                     const std::string& accepted) {
   if (mask.empty()) return MaskLayout<T>();
   const Shape& shape = mask.shape();
-  const Index rank = static_cast<Index>(shape.size());
+  const std::size_t rank = shape.size();
   if (rank < 2 || rank > 4 || shape[rank - 2] != rows || shape[rank - 1] != cols) {
     throw_shape(argument, accepted, shape);
   }
