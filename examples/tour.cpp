@@ -14,6 +14,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <iomanip>
+#include <sstream>
 #include <string>
 
 #include <mha/mha.hpp>
@@ -196,6 +198,24 @@ const char* token(Index i) {
   return kTokens[static_cast<std::size_t>(i)];
 }
 
+// The number of characters of UTF-8 text, as a terminal shows them: "░░" and "QKᵀ" are 2 and 3,
+// not 6 and 5 (bytes).
+std::size_t display_width(const std::string& text) {
+  std::size_t chars = 0;
+  for (char byte : text) chars += (static_cast<unsigned char>(byte) & 0xC0) != 0x80 ? 1 : 0;
+  return chars;
+}
+
+std::string pad_left(const std::string& text, std::size_t width) {
+  const std::size_t chars = display_width(text);
+  return std::string(width > chars ? width - chars : 0, ' ') + text;
+}
+
+std::string pad_right(const std::string& text, std::size_t width) {
+  const std::size_t chars = display_width(text);
+  return text + std::string(width > chars ? width - chars : 0, ' ');
+}
+
 // Prints a line without its trailing spaces.
 void print_trimmed(std::string line) {
   line.erase(line.find_last_not_of(' ') + 1);
@@ -214,9 +234,7 @@ void print_heatmap_pair(const mha::Tensor<float>& weights, Index left, Index rig
   }
   print_trimmed(header);
   for (Index i = 0; i < kLength; ++i) {
-    char label[16];
-    std::snprintf(label, sizeof label, "%2td %-7s ", i, token(i));
-    std::string line = label;
+    std::string line = pad_left(std::to_string(i), 2) + " " + pad_right(token(i), 7) + " ";
     for (Index head : {left, right}) {
       for (Index j = 0; j < kLength; ++j) line += std::string(shade(weights(0, head, i, j))) + " ";
       line += "  ";
@@ -243,8 +261,12 @@ void check_previous_token_head(const mha::Tensor<float>& weights) {
     hits += argmax(weights, kPreviousHead, i) == i - 1 ? 1 : 0;
     total += weights(0, kPreviousHead, i, i - 1);
   }
-  std::printf("  head 0: rows 1-10 whose largest weight is on token i-1: %td/10 (mean %.2f)\n",
-              hits, static_cast<double>(total / 10.0f));
+  std::printf(
+      "  head 0: q_i reads the position code of i; k_j is the code of j turned\n"
+      "          one step, i.e. the code of j+1. So q_i . k_j peaks at j = i-1.\n"
+      "          Rows 1-10 with their largest weight on token i-1: %td/10 (mean %.2f);\n"
+      "          token 0 has no previous token and keeps to itself.\n",
+      hits, static_cast<double>(total / 10.0f));
 }
 
 void check_same_word_head(const mha::Tensor<float>& weights) {
@@ -253,7 +275,9 @@ void check_same_word_head(const mha::Tensor<float>& weights) {
     hits += lowercase(token(argmax(weights, kSameWordHead, i))) == lowercase(token(i)) ? 1 : 0;
   }
   std::printf(
-      "  head 1: rows whose largest weight is on the same word: %td/11\n"
+      "  head 1: q_i and k_j are both the word vector (dims 0-7), so q_i . k_j\n"
+      "          peaks where the words are the same.\n"
+      "          Rows with their largest weight on the same word: %td/11\n"
       "          \"the\" (4) -> \"The\" (0): %.2f, -> itself: %.2f (a tie: no position)\n"
       "          \"tired\" (10) -> \"it\" (7): %.2f (their random directions are close)\n",
       hits, static_cast<double>(weights(0, kSameWordHead, 4, 0)),
@@ -268,14 +292,21 @@ void check_first_token_head(const mha::Tensor<float>& weights) {
     hits += argmax(weights, kFirstTokenHead, i) == 0 ? 1 : 0;
     total += weights(0, kFirstTokenHead, i, 0);
   }
-  std::printf("  head 2: rows whose largest weight is on token 0: %td/11 (mean %.2f)\n", hits,
-              static_cast<double>(total / 11.0f));
+  std::printf(
+      "  head 2: every query is the same constant (a bias; W_q = 0), so every row\n"
+      "          is the same; k_j is -sin of slow position frequencies: 0 at j = 0,\n"
+      "          negative after it. Rows with their largest weight on token 0:\n"
+      "          %td/11 (mean %.2f). Trained models often have heads like this,\n"
+      "          parking attention that is not needed elsewhere on the first token.\n",
+      hits, static_cast<double>(total / 11.0f));
 }
 
 void check_coreference_head(const mha::Tensor<float>& weights) {
   std::printf(
-      "  head 3: \"it\" -> \"animal\": %.2f, \"it\" -> \"street\": %.2f; every other row\n"
-      "          has a zero query, so it gives each key the same weight 1/11 = %.3f\n",
+      "  head 3: q_i is the pronoun feature, k_j the animate + noun features, so\n"
+      "          only \"it\" asks, and nouns answer, animate ones louder.\n"
+      "          \"it\" -> \"animal\": %.2f, \"it\" -> \"street\": %.2f. Every other row\n"
+      "          has a zero query and so gives each key the same weight 1/11 = %.3f.\n",
       static_cast<double>(weights(0, kCorefHead, kIt, kAnimal)),
       static_cast<double>(weights(0, kCorefHead, kIt, kStreet)), 1.0 / 11.0);
 }
@@ -398,17 +429,18 @@ std::string with_commas(std::int64_t n) {
   return digits;
 }
 
-// Prints cells right-aligned in the ledger's columns. Widths count characters, not bytes, so
-// "QKᵀ" and "n²" line up.
+// Prints cells right-aligned in the ledger's columns.
 void print_ledger_row(const std::array<std::string, 7>& cells) {
   constexpr std::array<std::size_t, 7> kWidths = {4, 6, 12, 15, 14, 14, 10};
   std::string line;
-  for (std::size_t c = 0; c < cells.size(); ++c) {
-    std::size_t chars = 0;
-    for (char byte : cells[c]) chars += (static_cast<unsigned char>(byte) & 0xC0) != 0x80 ? 1 : 0;
-    line += std::string(kWidths[c] > chars ? kWidths[c] - chars : 0, ' ') + cells[c];
-  }
+  for (std::size_t c = 0; c < cells.size(); ++c) line += pad_left(cells[c], kWidths[c]);
   print_trimmed(line);
+}
+
+std::string percent(double value) {
+  std::ostringstream out;
+  out << std::fixed << std::setprecision(3) << value << '%';
+  return out.str();
 }
 
 void print_ledger_intro() {
@@ -439,11 +471,9 @@ void part_two() {
     const std::int64_t core = h * (2 * n * n * head_dim + 2 * n * n * head_dim);
     const std::int64_t exps = h * n * n;
     exp_share = 100.0 * static_cast<double>(exps) / static_cast<double>(projections + core + exps);
-    char share[16];
-    std::snprintf(share, sizeof share, "%.3f%%", exp_share);
     print_ledger_row({std::to_string(h), std::to_string(head_dim),
                       with_commas(count_parameters(layer)), with_commas(projections),
-                      with_commas(core), with_commas(exps), share});
+                      with_commas(core), with_commas(exps), percent(exp_share)});
   }
   std::printf(
       "\nh · D = d, so the parameters and both matmul columns are the same for\n"

@@ -80,3 +80,14 @@ TEST_CASE("empty tensors are valid", "[tensor]") {
   CHECK(mha::split_heads(empty, 2).shape() == mha::Shape{2, 2, 0, 2});
   CHECK(mha::merge_heads(mha::split_heads(empty, 2)).shape() == empty.shape());
 }
+
+TEST_CASE("element access checks the index count and range in every build", "[tensor][errors]") {
+  Tensor<float> t({2, 3, 4});
+  CHECK_NOTHROW(t(1, 2, 3));
+  CHECK_THROWS_WITH(t(0, 1), "tensor index: expected an index within [2, 3, 4], got [0, 1]");
+  CHECK_THROWS_AS(t(0, 0, 0, 0), mha::ShapeError);
+  CHECK_THROWS_AS(t(2, 0, 0), mha::ShapeError);
+  CHECK_THROWS_AS(t(0, -1, 0), mha::ShapeError);
+  CHECK_THROWS_AS(t[2], mha::ShapeError);
+  CHECK_THROWS_AS(t[1][1][4], mha::ShapeError);
+}

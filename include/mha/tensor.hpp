@@ -86,22 +86,32 @@ class TensorView {
     const Index rows = cols == 0 ? 0 : size_ / cols;
     return MatrixMap(data_, rows, cols);
   }
-  // The sub-tensor at index i of the first axis.
+  // The sub-tensor at index i of the first axis; checked in every build, like operator().
   TensorView<T> operator[](Index i) const {
-    MHA_ASSERT(rank() >= 1 && i >= 0 && i < shape_[0]);
+    if (rank() < 1 || i < 0 || i >= shape_[0]) {
+      detail::throw_shape("tensor index",
+                          "an index within the first axis of " + detail::format_shape(shape_), {i});
+    }
     Shape inner(shape_.begin() + 1, shape_.end());
     const Index stride = detail::shape_size(inner);
     return TensorView<T>(data_ + i * stride, std::move(inner));
   }
+  // Element access with one index per axis. Checked in every build (a wrong index count would
+  // otherwise read another element silently); kernels use matrix() maps, not this.
   template <class... Indices>
   T& operator()(Indices... indices) const {
     static_assert(sizeof...(Indices) > 0, "give one index per axis");
-    MHA_ASSERT(static_cast<Index>(sizeof...(Indices)) == rank());
     const Index idx[] = {static_cast<Index>(indices)...};
+    constexpr std::size_t count = sizeof...(Indices);
+    bool valid = count == shape_.size();
     Index offset = 0;
-    for (std::size_t a = 0; a < sizeof...(Indices); ++a) {
-      MHA_ASSERT(idx[a] >= 0 && idx[a] < shape_[a]);
+    for (std::size_t a = 0; valid && a < count; ++a) {
+      valid = idx[a] >= 0 && idx[a] < shape_[a];
       offset = offset * shape_[a] + idx[a];
+    }
+    if (!valid) {
+      detail::throw_shape("tensor index", "an index within " + detail::format_shape(shape_),
+                          Shape(idx, idx + count));
     }
     return data_[offset];
   }
