@@ -1,6 +1,7 @@
 // mha_run end to end: the real binary on a PyTorch fixture, its help, and malformed input
 // (exit code 1 with one line on stderr, never a crash).
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>

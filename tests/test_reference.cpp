@@ -1,6 +1,8 @@
 // Agreement with real PyTorch: every fixture written by tests/reference/generate.py (torch's own
 // nn.MultiheadAttention outputs) is run through the library and compared.
 // To regenerate the fixtures: /usr/bin/python3 tests/reference/generate.py (see its README).
+#include <unistd.h>
+
 #include <algorithm>
 #include <filesystem>
 #include <string>
@@ -61,4 +63,48 @@ TEST_CASE("outputs and weights equal PyTorch's on every reference fixture", "[re
       }
     }
   }
+}
+
+TEST_CASE("a layer's parameters round-trip through a safetensors file by their PyTorch names",
+          "[io]") {
+  mha::MultiHeadAttentionConfig config(12, 3);
+  config.kdim = 7;
+  config.add_bias_kv = true;
+  config.seed = 5;
+  const mha::MultiHeadAttention<double> saved(config);
+  const std::string path =
+      (fs::temp_directory_path() / ("mha_params_" + std::to_string(::getpid()) + ".safetensors"))
+          .string();
+  mha::io::save_parameters(saved, path, {{"num_heads", "3"}});
+  const auto file = mha::io::read_safetensors(path);
+  CHECK(file.metadata.at("num_heads") == "3");
+  CHECK(file.at("k_proj_weight").shape == mha::Shape{12, 7});
+  CHECK(file.at("bias_k").dtype == mha::io::Dtype::F64);
+
+  config.seed = 6;
+  mha::MultiHeadAttention<double> loaded(config);
+  mha::io::load_parameters(loaded, path);
+  for (const auto& name : saved.parameter_names()) {
+    INFO(name);
+    CHECK(mha::Tensor<double>(loaded.parameter(name)).flat() ==
+          mha::Tensor<double>(saved.parameter(name)).flat());
+  }
+  // A layer of another shape refuses the file, naming the parameter.
+  mha::MultiHeadAttention<double> other(12, 3);
+  CHECK_THROWS_AS(mha::io::load_parameters(other, path), mha::ShapeError);
+  fs::remove(path);
+}
+
+TEST_CASE("parameters exported from PyTorch load into a layer of the same configuration", "[io]") {
+  // f32_kdim_vdim was written by torch: q/k/v_proj_weight with kdim 5, vdim 3.
+  const std::string path = std::string(MHA_REFERENCE_DIR) + "/f32_kdim_vdim.in.safetensors";
+  const auto file = mha::io::read_safetensors(path);
+  const auto& weight = file.at("out_proj.weight");
+  mha::MultiHeadAttentionConfig config(weight.shape[0], std::stol(file.metadata.at("num_heads")));
+  config.kdim = file.at("k_proj_weight").shape[1];
+  config.vdim = file.at("v_proj_weight").shape[1];
+  mha::MultiHeadAttention<float> layer(config);
+  mha::io::load_parameters(layer, path);
+  const auto expected = mha::io::to_tensor<float>(file.at("k_proj_weight"), "k_proj_weight");
+  CHECK(mha::Tensor<float>(layer.parameter("k_proj_weight")).flat() == expected.flat());
 }
