@@ -33,7 +33,7 @@ struct HeadLayout {
   Index cols = 0;
 
   Map at(Index b, Index h) const {
-    return Map(data + b * batch_stride + h * head_stride, rows, cols,
+    return Map(offset_pointer(data, b * batch_stride + h * head_stride), rows, cols,
                Eigen::OuterStride<>(row_stride));
   }
 };

@@ -52,6 +52,13 @@ inline Index shape_size(const Shape& shape) {
   return n;
 }
 
+// p + offset, except that an empty tensor's null data stays null: a view into an empty tensor
+// (L = 0, say) has rows = 0 and is never read, but arithmetic on a null pointer is undefined.
+template <class T>
+T* offset_pointer(T* p, Index offset) {
+  return p == nullptr ? p : p + offset;
+}
+
 }  // namespace detail
 
 // A non-owning view of a dense row-major tensor. T may be const. The viewed memory must outlive
