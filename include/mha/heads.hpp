@@ -41,8 +41,7 @@ ConstStridedMap<T> head_view(TensorView<const T> x, Index num_heads, Index b, In
   }
   const Index seq = x.dim(1), embed = x.dim(2);
   return ConstStridedMap<T>(detail::offset_pointer(x.data(), b * seq * embed + h * head_dim), seq,
-                            head_dim,
-                            Eigen::OuterStride<>(embed));
+                            head_dim, Eigen::OuterStride<>(embed));
 }
 
 template <class T>
