@@ -4,7 +4,7 @@
   /usr/bin/python3 tests/reference/check_mha_run.py --mha-run PATH/TO/mha_run [--count 200] [--seed 1]
       Generates COUNT random configurations with generate.py (random shapes and options, float32 and
       float64), runs `mha_run case.in.safetensors out.safetensors` on each and compares `output` and
-      `attn_weights` with torch's: |a - b| <= atol + rtol * |b| (float32: rtol 1e-5, atol 1e-6;
+      `attn_weights` with torch's: |a - b| <= atol + rtol * |b| (float32: rtol 1.3e-6, atol 1e-5, torch.testing.assert_close's defaults;
       float64: rtol 1e-11, atol 1e-12).  Shapes and dtypes must match exactly; `attn_weights` must be
       absent when need_weights is 0.
 
@@ -32,7 +32,11 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import generate as gen  # noqa: E402
 
-TOLERANCES = {np.dtype(np.float32): (1e-5, 1e-6), np.dtype(np.float64): (1e-11, 1e-12)}
+# float32: torch.testing.assert_close's own defaults. The expected values are torch's float32
+# results, which carry torch's rounding too: in seed 2026's case rand0071_f32 torch was 2.2e-6
+# from the exact (float64) value where mha was 3.3e-7, so a per-element atol of 1e-6 measured
+# torch's rounding, not ours. float64 stays far tighter than torch's defaults (1e-7).
+TOLERANCES = {np.dtype(np.float32): (1.3e-6, 1e-5), np.dtype(np.float64): (1e-11, 1e-12)}
 
 
 def run_tool(mha_run, in_path, out_path, timeout):
