@@ -140,6 +140,12 @@ TEST_CASE("mha_run refuses bad input with exit code 1 and one line", "[mha_run][
   file.tensors["attn_mask"] = mha::io::from_tensor(mha::Tensor<float>({2, 2, 2}));
   refused_with(file, "attn_mask: expected");
   file = original;
+  file.metadata["kernel"] = "fast";
+  refused_with(file, "kernel");
+  file = original;
+  file.metadata["kernel"] = "flash";  // with need_weights = 1
+  refused_with(file, "flash does not return attention weights");
+  file = original;
   file.tensors["surprise"] = mha::io::from_tensor(mha::Tensor<float>({2}));
   refused_with(file, "unexpected tensor 'surprise'");
   file = original;

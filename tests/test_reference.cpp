@@ -65,6 +65,26 @@ TEST_CASE("outputs and weights equal PyTorch's on every reference fixture", "[re
   }
 }
 
+TEST_CASE("the flash kernel's outputs equal PyTorch's on every reference fixture", "[reference]") {
+  for (const auto& name : fixture_names()) {
+    INFO("fixture " << name);
+    auto in =
+        mha::io::read_safetensors(std::string(MHA_REFERENCE_DIR) + "/" + name + ".in.safetensors");
+    const auto expected = mha::io::read_safetensors(std::string(MHA_REFERENCE_DIR) + "/" + name +
+                                                    ".expected.safetensors");
+    in.metadata["kernel"] = "flash";
+    in.metadata["need_weights"] = "0";
+    const auto out = mha::tools::run_multihead_attention(in);
+    REQUIRE(out.tensors.size() == 1);
+    const auto& actual = out.at("output");
+    if (actual.dtype == mha::io::Dtype::F32) {
+      compare_tensor<float>(actual, expected.at("output"), "output");
+    } else {
+      compare_tensor<double>(actual, expected.at("output"), "output");
+    }
+  }
+}
+
 // float fixtures compare with torch's float32 results, whose own rounding the float tolerance must
 // absorb. This measures the library's float rounding alone, at a tighter tolerance: the same
 // inputs computed in double (the path the float64 fixtures pin to torch at 1e-11) are the truth.

@@ -28,7 +28,9 @@ IN holds:
     masks are BOOL with true = blocked (PyTorch MHA's convention), or float, added to the scores.
   __metadata__: num_heads (required), and each "0" or "1": add_zero_attn (default 0),
     need_weights (default 1), average_attn_weights (default 1), is_causal (default 0: when 1, the
-    top-left causal mask, key j > query i blocked, is applied on top of any attn_mask).
+    top-left causal mask, key j > query i blocked, is applied on top of any attn_mask);
+    kernel: auto (default: flash without weights, reference with), reference or flash
+    (flash cannot return weights, so it needs need_weights "0").
 The dtype of query decides the arithmetic: F32 computes in float, F64 in double. key, value and
 float masks must have that dtype too; parameters may be F32, F64, F16 or BF16 (converted).
 
@@ -53,6 +55,15 @@ inline bool flag(const io::SafetensorsFile& file, const std::string& key, bool d
   if (it->second == "0") return false;
   if (it->second == "1") return true;
   throw ShapeError("metadata '" + key + "': expected \"0\" or \"1\", got \"" + it->second + "\"");
+}
+
+inline Kernel kernel(const io::SafetensorsFile& file) {
+  const auto it = file.metadata.find("kernel");
+  if (it == file.metadata.end() || it->second == "auto") return Kernel::automatic;
+  if (it->second == "reference") return Kernel::reference;
+  if (it->second == "flash") return Kernel::flash;
+  throw ShapeError("metadata 'kernel': expected \"auto\", \"reference\" or \"flash\", got \"" +
+                   it->second + "\"");
 }
 
 inline Index num_heads(const io::SafetensorsFile& file) {
@@ -103,6 +114,7 @@ io::SafetensorsFile run_as(const io::SafetensorsFile& in) {
   options.need_weights = flag(in, "need_weights", true);
   options.average_attn_weights = flag(in, "average_attn_weights", true);
   options.is_causal = flag(in, "is_causal", false);
+  options.kernel = kernel(in);
   options.key_padding_mask = read_mask<T>(in, "key_padding_mask");
   options.attn_mask = read_mask<T>(in, "attn_mask");
   const auto result = layer.forward(read_input<T>(in, "query"), read_input<T>(in, "key"),

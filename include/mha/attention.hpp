@@ -1,7 +1,10 @@
-// Scaled dot-product attention, the per-head kernel: out = softmax(scale * q kᵀ + mask) v.
-//
-// This is the reference kernel: for each (batch, head) it stores the [L, S] scores, so it can
-// return the attention weights. The layer class composes it with the projections.
+// Scaled dot-product attention, per head: out = softmax(scale * q kᵀ + mask) v, and the choice
+// between the two kernels that compute it:
+//   Kernel::reference  stores each head's [L, S] scores; the only one that returns weights
+//   Kernel::flash      tiles queries × keys with an online softmax; memory O(block² + block·D)
+//   Kernel::automatic  flash unless weights are requested
+// Both give the same results within float rounding. The layer class composes them with the
+// projections.
 #pragma once
 
 #include <cmath>
@@ -10,90 +13,49 @@
 #include <string>
 #include <type_traits>
 
+#include "mha/kernels/flash.hpp"
+#include "mha/kernels/reference.hpp"
 #include "mha/mask.hpp"
-#include "mha/softmax.hpp"
 #include "mha/tensor.hpp"
 
 namespace mha {
 
+enum class Kernel { automatic, reference, flash };
+
+inline const char* kernel_name(Kernel kernel) {
+  switch (kernel) {
+    case Kernel::automatic:
+      return "auto";
+    case Kernel::reference:
+      return "reference";
+    case Kernel::flash:
+      return "flash";
+  }
+  return "unknown";
+}
+
 namespace detail {
 
-// A (B, H) family of [rows, cols] matrices inside one buffer, each row-major with its rows
-// row_stride elements apart. It describes both a contiguous (B, H, L, D) tensor
-// (batch_stride H*L*D, head_stride L*D, row_stride D) and the heads of a (B, L, E) tensor
-// without copying them (batch_stride L*E, head_stride D, row_stride E). T may be const.
-template <class T>
-struct HeadLayout {
-  using Map = std::conditional_t<std::is_const_v<T>, ConstStridedMap<T>, StridedMap<T>>;
-  T* data = nullptr;
-  Index batch_stride = 0;
-  Index head_stride = 0;
-  Index row_stride = 0;
-  Index rows = 0;
-  Index cols = 0;
-
-  Map at(Index b, Index h) const {
-    return Map(offset_pointer(data, b * batch_stride + h * head_stride), rows, cols,
-               Eigen::OuterStride<>(row_stride));
+// The kernel that runs: the flash kernel cannot return weights, so asking for both is refused.
+inline Kernel resolve_kernel(Kernel requested, bool need_weights) {
+  if (requested == Kernel::flash && need_weights) {
+    throw_argument("kernel",
+                   "flash does not return attention weights: use Kernel::reference or "
+                   "Kernel::automatic with need_weights, or need_weights = false");
   }
-};
-
-template <class T>
-HeadLayout<T> contiguous_heads(T* data, Index heads, Index rows, Index cols) {
-  return {data, heads * rows * cols, rows * cols, cols, rows, cols};
+  if (requested == Kernel::automatic) return need_weights ? Kernel::reference : Kernel::flash;
+  return requested;
 }
 
-// Blocks scores(i, j) for the keys j < causal_cols that query i may not see (see Causal in
-// mask.hpp); columns from causal_cols on (bias_k, zero attention) stay visible.
-template <class Scores>
-void apply_causal(Causal causal, Index causal_cols, Scores& scores) {
-  if (causal == Causal::none) return;
-  using T = typename Scores::Scalar;
-  const Index shift = causal == Causal::bottom_right ? causal_cols - scores.rows() : 0;
-  for (Index i = 0; i < scores.rows(); ++i) {
-    const Index first_blocked = std::max<Index>(0, i + shift + 1);
-    for (Index j = first_blocked; j < causal_cols; ++j) {
-      scores(i, j) = -std::numeric_limits<T>::infinity();
-    }
-  }
-}
-
-// What the reference kernel computes besides q, k, v: the masks (each may be kind none),
-// causal masking over the first causal_cols keys, and the scale.
+// Runs the chosen kernel over (B, H) heads; weights as in attention_reference.
 template <class T>
-struct CoreOptions {
-  MaskLayout<T> attn_mask;
-  MaskLayout<T> key_padding_mask;
-  Causal causal = Causal::none;
-  Index causal_cols = 0;
-  T scale = T(1);
-};
-
-// q is (B, H, L, D), k is (B, H, S, D), v is (B, H, S, Dv), out is (B, H, L, Dv), all as head
-// layouts; weights is null or a contiguous (B, H, L, S) buffer for the probabilities.
-// Fully masked query rows give zero weights and a zero output row.
-template <class T>
-void attention_reference(Index batch, Index heads, const HeadLayout<const T>& q,
-                         const HeadLayout<const T>& k, const HeadLayout<const T>& v,
-                         const HeadLayout<T>& out, const CoreOptions<T>& options, T* weights) {
-  const Index query_len = q.rows, key_len = k.rows;
-  Matrix<T> scores(query_len, key_len);
-  for (Index b = 0; b < batch; ++b) {
-    for (Index h = 0; h < heads; ++h) {
-      // pass 1: scaled scores and masks (scale folded into the GEMM's alpha)
-      scores.noalias() = options.scale * (q.at(b, h) * k.at(b, h).transpose());
-      options.attn_mask.apply(b, h, scores);
-      options.key_padding_mask.apply(b, h, scores);
-      apply_causal(options.causal, options.causal_cols, scores);
-      // pass 2: probabilities, then their weighted sum of values
-      softmax_rows_inplace(scores);
-      auto out_bh = out.at(b, h);
-      out_bh.noalias() = scores * v.at(b, h);
-      if (weights != nullptr) {
-        Eigen::Map<Matrix<T>>(weights + (b * heads + h) * query_len * key_len, query_len, key_len) =
-            scores;
-      }
-    }
+void attention(Kernel kernel, Index batch, Index heads, const HeadLayout<const T>& q,
+               const HeadLayout<const T>& k, const HeadLayout<const T>& v, const HeadLayout<T>& out,
+               const CoreOptions<T>& options, T* weights) {
+  if (kernel == Kernel::flash) {
+    attention_flash<T>(batch, heads, q, k, v, out, options);
+  } else {
+    attention_reference<T>(batch, heads, q, k, v, out, options, weights);
   }
 }
 
@@ -107,6 +69,7 @@ struct AttentionOptions {
   // Multiplies q kᵀ; 1/sqrt(D) when not given.
   std::optional<T> scale;
   bool need_weights = false;
+  Kernel kernel = Kernel::automatic;
 };
 
 template <class T>
@@ -164,12 +127,13 @@ AttentionResult<T> scaled_dot_product_attention(TensorView<const T> query, Tenso
     weights_shape.push_back(key_len);
     result.weights = Tensor<T>(weights_shape);
   }
-  detail::attention_reference<T>(
-      batch, heads, detail::contiguous_heads(query.data(), heads, query_len, head_dim),
-      detail::contiguous_heads(key.data(), heads, key_len, head_dim),
-      detail::contiguous_heads(value.data(), heads, key_len, value_dim),
-      detail::contiguous_heads(result.output.data(), heads, query_len, value_dim), core,
-      options.need_weights ? result.weights.data() : nullptr);
+  const Kernel kernel = detail::resolve_kernel(options.kernel, options.need_weights);
+  detail::attention<T>(kernel, batch, heads,
+                       detail::contiguous_heads(query.data(), heads, query_len, head_dim),
+                       detail::contiguous_heads(key.data(), heads, key_len, head_dim),
+                       detail::contiguous_heads(value.data(), heads, key_len, value_dim),
+                       detail::contiguous_heads(result.output.data(), heads, query_len, value_dim),
+                       core, options.need_weights ? result.weights.data() : nullptr);
   return result;
 }
 

@@ -17,6 +17,7 @@
 //                                                                KV-cache decode step needs)
 #pragma once
 
+#include <algorithm>
 #include <limits>
 #include <utility>
 
@@ -97,21 +98,23 @@ struct MaskLayout {
   Index row_stride = 0;
   Index cols = 0;
 
-  // Adds the mask's (b, h) slice to scores [L, >= cols]: -inf where blocked.
-  template <class Scores>
-  void apply(Index b, Index h, Scores& scores) const {
-    if (kind == MaskKind::none) return;
+  // tile holds the scores of queries row0.. and keys col0.. of head (b, h); adds the mask to it:
+  // -inf where blocked. Keys from `cols` on are not covered by the mask.
+  template <class Tile>
+  void apply(Index b, Index h, Index row0, Index col0, Tile& tile) const {
+    if (kind == MaskKind::none || col0 >= cols) return;
     constexpr T kBlocked = -std::numeric_limits<T>::infinity();
-    const Index offset = b * batch_stride + h * head_stride;
-    for (Index i = 0; i < scores.rows(); ++i) {
-      const Index row = offset + i * row_stride;
+    const Index width = std::min(cols - col0, tile.cols());
+    const Index offset = b * batch_stride + h * head_stride + col0;
+    for (Index i = 0; i < tile.rows(); ++i) {
+      const Index row = offset + (row0 + i) * row_stride;
       if (kind == MaskKind::additive) {
-        scores.row(i).head(cols) += Eigen::Map<const RowVector<T>>(values + row, cols);
+        tile.row(i).head(width) += Eigen::Map<const RowVector<T>>(values + row, width);
         continue;
       }
       const bool blocked_value = kind == MaskKind::blocked_where_true;
-      for (Index j = 0; j < cols; ++j) {
-        if (bools[row + j] == blocked_value) scores(i, j) = kBlocked;
+      for (Index j = 0; j < width; ++j) {
+        if (bools[row + j] == blocked_value) tile(i, j) = kBlocked;
       }
     }
   }

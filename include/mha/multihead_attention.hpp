@@ -66,6 +66,8 @@ struct ForwardOptions {
   // Applies the top-left causal mask (query i sees input keys j <= i) itself, on top of
   // attn_mask. Unlike PyTorch 2.x, where is_causal is only a hint about attn_mask.
   bool is_causal = false;
+  // Which kernel computes the heads; automatic picks flash unless weights are requested.
+  Kernel kernel = Kernel::automatic;
 };
 
 template <class T>
@@ -292,11 +294,12 @@ class MultiHeadAttention {
       using Element = std::remove_pointer_t<decltype(data)>;
       return detail::HeadLayout<Element>{data, rows * embed, head_dim, embed, rows, head_dim};
     };
-    detail::attention_reference<T>(
-        batch, heads, heads_of(static_cast<const T*>(q.data()), query_len),
-        heads_of(static_cast<const T*>(k.data()), total_keys),
-        heads_of(static_cast<const T*>(v.data()), total_keys), heads_of(attended.data(), query_len),
-        core, options.need_weights ? per_head_weights.data() : nullptr);
+    const Kernel kernel = detail::resolve_kernel(options.kernel, options.need_weights);
+    detail::attention<T>(kernel, batch, heads, heads_of(static_cast<const T*>(q.data()), query_len),
+                         heads_of(static_cast<const T*>(k.data()), total_keys),
+                         heads_of(static_cast<const T*>(v.data()), total_keys),
+                         heads_of(attended.data(), query_len), core,
+                         options.need_weights ? per_head_weights.data() : nullptr);
 
     ForwardResult<T> result;
     result.output = Tensor<T>(query_shape);

@@ -1,0 +1,542 @@
+#!/usr/bin/python3
+"""Compare mha's forward pass with PyTorch's nn.MultiheadAttention, alternating the two in one run.
+
+Usage (Debian's python3-torch, so /usr/bin/python3, not the python3 first on PATH):
+
+    /usr/bin/python3 bench/compare_pytorch.py --mha-bench build/bench/mha_bench \
+        [--threads 2] [--kernel auto] [--sweep heads|length|default] [--repeats 5] [--rounds 2] \
+        [--json out.json] [--max-seconds-per-config 20] [--max-length N] [--config B,L,E,H ...]
+
+Sweeps (self-attention, L = S):
+    default  (B,L,E,H) = (1,128,768,12) (8,128,512,8) (1,1024,512,8) (1,2048,512,8) (1,4096,512,8)
+    heads    B=1, E in {512,768,1024}, H in {1,2,4,8,12,16,32,64} dividing E, L in {128,512,2048}
+    length   B=1, E=512, H=8, L in {128,256,...,16384}
+--config B,L,E,H (repeatable) replaces the sweep; --max-length drops configurations with a longer L.
+
+For each configuration, in --rounds rounds, alternately (so both sides see the same machine load):
+  * torch: nn.MultiheadAttention(E, H, batch_first=True).eval(), torch.inference_mode(),
+    need_weights=False, fp32 randn input (x, x, x), torch.set_num_threads(threads); one warm-up call
+    (timed: it drives the --max-seconds-per-config guard), then --repeats timed calls per round.
+    Reported: the median of all timed calls.
+  * mha: `mha_bench --benchmark_filter=^forward/<kernel>/B:<b>/L:<l>/E:<e>/H:<h>$
+    --benchmark_repetitions=<repeats> --benchmark_report_aggregates_only=true
+    --benchmark_format=json` in a child with OMP_NUM_THREADS=<threads>. Reported: the median over
+    rounds of the "median" aggregate's real_time.
+GFLOP/s use FLOPs = B·(8·L·E² + 4·L²·E) on both sides (mha_bench's own GFLOPS counter is kept in
+the JSON as mha_bench_gflops). ratio = torch ms / mha ms, so > 1 means mha is faster.
+
+Thread control on the torch side: Debian's torch 1.13 runs its GEMMs in OpenBLAS (pthreads build),
+which ignores torch.set_num_threads and starts one thread per CPU, and its OpenMP threads spin
+between parallel regions and fight OpenBLAS's threads for the cores (measured here: B=1 L=128
+E=768 H=12 took 48 ms with 2 threads against 7 ms with 1). So before importing torch this script
+sets, in its own process only, OPENBLAS_NUM_THREADS=<threads> and OMP_WAIT_POLICY=PASSIVE
+(--torch-omp-wait-policy; pass "" to leave it unset). The mha_bench child gets the caller's
+environment plus OMP_NUM_THREADS=<threads> and any --mha-env KEY=VALUE.
+
+Guards, so that a sweep stays bounded on a shared machine:
+  * torch memory: peak estimated as B·H·L²·4 bytes·2 (the score matrix and its softmax); the torch
+    side is skipped when that exceeds half of MemAvailable (/proc/meminfo, read per configuration).
+  * time: the torch side is skipped when its warm-up call exceeds --max-seconds-per-config, or when
+    a previous configuration with the same (B, E, H) and a shorter L predicts (scaled by FLOPs) a
+    call longer than that; the mha side is skipped on the same prediction and each mha_bench child
+    is killed after --repeats·(max-seconds + 5) + 60 s.
+  * mha memory: the child's address space is limited to --mha-mem-fraction (0.75) of MemAvailable,
+    so a runaway allocation fails in the child instead of pushing the machine into the OOM killer.
+The mha side of a torch-skipped configuration is still measured (that is where a tiled kernel's
+advantage shows), and torch is still measured when mha_bench does not register the configuration
+(status "not registered"; --skip-unregistered skips such configurations entirely).
+
+Output: a table (one row per configuration, printed as each finishes) and a final line with the
+command line and the machine; --json writes {"meta": ..., "rows": [...]} after every row, for
+bench/plot.py. Exit status: 0 when every configuration was measured or deliberately skipped;
+1 when a measurement failed (mha_bench crashed or timed out, torch raised); 2 on setup errors
+(mha_bench missing or not executable, torch not importable, bad arguments); 130 on Ctrl-C.
+"""
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import re
+import resource
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+
+DEFAULT_CONFIGS = [(1, 128, 768, 12), (8, 128, 512, 8), (1, 1024, 512, 8), (1, 2048, 512, 8),
+                   (1, 4096, 512, 8)]
+HEADS = [1, 2, 4, 8, 12, 16, 32, 64]
+TIME_UNIT_TO_MS = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}
+
+
+def sweep_configs(sweep):
+    if sweep == "default":
+        return list(DEFAULT_CONFIGS)
+    if sweep == "heads":
+        return [(1, l, e, h) for e in (512, 768, 1024) for l in (128, 512, 2048) for h in HEADS
+                if e % h == 0]
+    if sweep == "length":
+        return [(1, 128 << i, 512, 8) for i in range(8)]  # 128 ... 16384
+    raise ValueError(sweep)
+
+
+def flops(b, l, e):
+    return b * (8 * l * e * e + 4 * l * l * e)
+
+
+def bench_name(kernel, b, l, e, h):
+    return f"forward/{kernel}/B:{b}/L:{l}/E:{e}/H:{h}"
+
+
+class SetupError(Exception):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Machine description
+
+
+def mem_available_bytes():
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def cpu_model():
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10,
+                             env=dict(os.environ, LC_ALL="C")).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def nproc():
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 0
+
+
+# ---------------------------------------------------------------------------------------------
+# mha_bench side
+
+
+class MhaBench:
+    def __init__(self, path, threads, extra_args, extra_env, mem_fraction):
+        self.path = path
+        self.extra_args = list(extra_args)
+        self.mem_fraction = mem_fraction
+        self.env = dict(os.environ)  # snapshot before this script changes its own environment
+        self.env.update(extra_env)
+        self.env["OMP_NUM_THREADS"] = str(threads)
+        self.context = None
+        if not os.path.exists(path):
+            raise SetupError(f"mha_bench not found: {path!r} (build it with: cmake -S . -B build "
+                             f"&& cmake --build build --target mha_bench -j2)")
+        if not os.path.isfile(path) or not os.access(path, os.X_OK):
+            raise SetupError(f"mha_bench is not an executable file: {path!r}")
+        try:
+            proc = subprocess.run([path, "--benchmark_list_tests"], capture_output=True, text=True,
+                                  timeout=120, env=self.env)
+        except (OSError, subprocess.SubprocessError) as error:
+            raise SetupError(f"cannot run {path!r}: {error}") from error
+        if proc.returncode != 0:
+            raise SetupError(f"{path} --benchmark_list_tests exited with {proc.returncode}: "
+                             f"{proc.stderr.strip()[-500:]}")
+        self.registered = set(proc.stdout.split())
+
+    def _limit_memory(self, pid):
+        # Set from the parent right after the start (prlimit), not in a preexec_fn: this process
+        # has torch's threads, and running Python between fork and exec is unsafe then. The child
+        # allocates its tensors well after this point.
+        available = mem_available_bytes()
+        if self.mem_fraction > 0 and available:
+            limit = int(available * self.mem_fraction)
+            try:
+                resource.prlimit(pid, resource.RLIMIT_AS, (limit, limit))
+            except (OSError, ValueError):
+                pass  # the child already exited, or the limit is not allowed: run unlimited
+
+    def run(self, name, repeats, timeout):
+        """One mha_bench child for one benchmark. Returns a dict with status "ok" (and ms, gflops),
+        "not registered", "timeout" or "failed" (and detail)."""
+        command = [self.path, f"--benchmark_filter=^{name}$", f"--benchmark_repetitions={repeats}",
+                   "--benchmark_report_aggregates_only=true", "--benchmark_format=json",
+                   *self.extra_args]
+        try:
+            proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True, env=self.env)
+        except OSError as error:
+            return {"status": "failed", "detail": f"cannot run mha_bench: {error}"}
+        self._limit_memory(proc.pid)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            return {"status": "timeout", "detail": f"mha_bench killed after {timeout:.0f} s"}
+        stderr = stderr.strip()
+        if proc.returncode != 0:
+            how = (f"signal {-proc.returncode}" if proc.returncode < 0
+                   else f"exit {proc.returncode}")
+            return {"status": "failed", "detail": f"mha_bench {how}: {stderr[-300:]}"}
+        if "Failed to match any benchmarks" in stderr or not stdout.strip():
+            return {"status": "not registered", "detail": f"no benchmark matches ^{name}$"}
+        try:
+            report = json.loads(stdout[stdout.index("{"):])
+        except ValueError as error:
+            return {"status": "failed", "detail": f"unparsable mha_bench JSON: {error}"}
+        if self.context is None:
+            self.context = report.get("context")
+        entries = [entry for entry in report.get("benchmarks", [])
+                   if entry.get("run_name", entry.get("name")) == name
+                   and entry.get("error_occurred") is not True]
+        errors = [entry.get("error_message") for entry in report.get("benchmarks", [])
+                  if entry.get("error_occurred")]
+        if errors:
+            return {"status": "failed", "detail": f"benchmark error: {errors[0]}"}
+        if not entries:
+            return {"status": "not registered", "detail": f"no benchmark named {name} in output"}
+        medians = [entry for entry in entries if entry.get("run_type") == "aggregate"
+                   and entry.get("aggregate_name") == "median"]
+        if medians:  # the usual case
+            chosen = medians[0]
+            ms = chosen["real_time"] * TIME_UNIT_TO_MS[chosen.get("time_unit", "ns")]
+            gflops = chosen.get("GFLOPS")
+        else:  # --benchmark_repetitions=1 reports the single run, no aggregates
+            runs = [entry for entry in entries if entry.get("run_type", "iteration") == "iteration"]
+            if not runs:
+                return {"status": "failed", "detail": "no median aggregate and no runs in output"}
+            ms = statistics.median(entry["real_time"] * TIME_UNIT_TO_MS[entry.get("time_unit", "ns")]
+                                   for entry in runs)
+            gflops = statistics.median(entry.get("GFLOPS", math.nan) for entry in runs)
+        return {"status": "ok", "ms": ms, "gflops": gflops}
+
+
+# ---------------------------------------------------------------------------------------------
+# torch side
+
+
+class TorchSide:
+    def __init__(self, torch, b, l, e, h, seed):
+        self.torch = torch
+        torch.manual_seed(seed)
+        self.layer = torch.nn.MultiheadAttention(e, h, batch_first=True).eval()
+        self.x = torch.randn(b, l, e, dtype=torch.float32)
+
+    def call_seconds(self):
+        torch = self.torch
+        with torch.inference_mode():
+            start = time.perf_counter()
+            out, _ = self.layer(self.x, self.x, self.x, need_weights=False)
+            elapsed = time.perf_counter() - start
+        del out
+        return elapsed
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_config(text):
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 4 or min(values) <= 0 or values[2] % values[3] != 0:
+        raise argparse.ArgumentTypeError(f"expected B,L,E,H with H dividing E, got {text!r}")
+    return values
+
+
+def parse_env(text):
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return tuple(text.split("=", 1))
+
+
+def fmt(value, spec):
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) \
+        else format(value, spec)
+
+
+COLUMNS = [("config", 30, "<"), ("torch ms", 10, ">"), ("mha ms", 10, ">"), ("torch/mha", 9, ">"),
+           ("torch GF/s", 10, ">"), ("mha GF/s", 9, ">"), ("status", 0, "<")]
+
+
+def table_line(cells):
+    return "  ".join(format(cell, f"{align}{width}") if width else cell
+                     for cell, (_, width, align) in zip(cells, COLUMNS)).rstrip()
+
+
+def row_cells(row):
+    config = f"B:{row['B']}/L:{row['L']}/E:{row['E']}/H:{row['H']}"
+    return [config, fmt(row["torch_ms"], ".2f"), fmt(row["mha_ms"], ".2f"), fmt(row["ratio"], ".2f"),
+            fmt(row["torch_gflops"], ".1f"), fmt(row["mha_gflops"], ".1f"), row["status"]]
+
+
+def write_json(path, meta, rows):
+    temporary = f"{path}.tmp"
+    with open(temporary, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        f.write("\n")
+    os.replace(temporary, path)
+
+
+def predicted_seconds(history, b, l, e, h):
+    """Per-call seconds predicted from the longest shorter-L config measured with the same B, E, H,
+    scaled by FLOPs; None when there is none."""
+    previous = [(pl, seconds) for (pb, pl, pe, ph), seconds in history.items()
+                if (pb, pe, ph) == (b, e, h) and pl < l]
+    if not previous:
+        return None
+    pl, seconds = max(previous)
+    return seconds * flops(b, l, e) / flops(b, pl, e)
+
+
+def measure(args, config, bench, torch, history):
+    b, l, e, h = config
+    name = bench_name(args.kernel, b, l, e, h)
+    row = {"B": b, "L": l, "E": e, "H": h, "flops": flops(b, l, e), "benchmark": name,
+           "torch_ms": None, "mha_ms": None, "ratio": None, "torch_gflops": None,
+           "mha_gflops": None, "mha_bench_gflops": None, "torch_samples_ms": [],
+           "mha_round_medians_ms": [], "torch_status": "pending", "mha_status": "pending",
+           "torch_detail": "", "mha_detail": ""}
+
+    registered = name in bench.registered
+    if not registered:
+        row["mha_status"], row["mha_detail"] = "not registered", f"{name} is not in --benchmark_list_tests"
+        if args.skip_unregistered:
+            row["torch_status"], row["torch_detail"] = "skipped", "mha config not registered"
+
+    # Torch guards, decided before building anything.
+    torch_side = None
+    if row["torch_status"] == "pending":
+        available = mem_available_bytes()
+        peak = b * h * l * l * 4 * 2
+        guess = predicted_seconds(history["torch"], b, l, e, h)
+        if available is not None and peak > available / 2:
+            row["torch_status"] = "skipped (memory)"
+            row["torch_detail"] = (f"estimated peak {peak / 2**30:.1f} GiB > {available / 2**31:.1f}"
+                                   f" GiB, half of MemAvailable")
+        elif guess is not None and guess > args.max_seconds_per_config:
+            row["torch_status"] = "skipped (time)"
+            row["torch_detail"] = (f"predicted {guess:.1f} s per call > "
+                                   f"{args.max_seconds_per_config:g} s")
+        else:
+            try:
+                torch_side = TorchSide(torch, b, l, e, h, args.seed)
+                warmup = torch_side.call_seconds()
+                if warmup > args.max_seconds_per_config:
+                    row["torch_status"] = "skipped (time)"
+                    row["torch_detail"] = (f"warm-up call took {warmup:.1f} s > "
+                                           f"{args.max_seconds_per_config:g} s")
+                    torch_side = None
+            except (RuntimeError, MemoryError) as error:
+                row["torch_status"], row["torch_detail"] = "error", str(error)[:300]
+                torch_side = None
+
+    if row["mha_status"] == "pending":
+        guess = predicted_seconds(history["mha"], b, l, e, h)
+        if guess is not None and guess > args.max_seconds_per_config:
+            row["mha_status"] = "skipped (time)"
+            row["mha_detail"] = (f"predicted {guess:.1f} s per call > "
+                                 f"{args.max_seconds_per_config:g} s")
+
+    mha_timeout = args.repeats * (args.max_seconds_per_config + 5) + 60
+    mha_gflops = []
+    for _ in range(args.rounds):
+        if torch_side is not None:
+            try:
+                for _ in range(args.repeats):
+                    row["torch_samples_ms"].append(torch_side.call_seconds() * 1e3)
+            except (RuntimeError, MemoryError) as error:
+                row["torch_status"], row["torch_detail"] = "error", str(error)[:300]
+                torch_side = None
+            time.sleep(args.pause)  # let torch's worker threads go idle before the child starts
+        if row["mha_status"] == "pending":
+            result = bench.run(name, args.repeats, mha_timeout)
+            if result["status"] == "ok":
+                row["mha_round_medians_ms"].append(result["ms"])
+                mha_gflops.append(result["gflops"])
+            else:
+                row["mha_status"], row["mha_detail"] = result["status"], result["detail"]
+            time.sleep(args.pause)
+    del torch_side
+    gc.collect()
+
+    if row["torch_samples_ms"] and row["torch_status"] == "pending":
+        row["torch_status"] = "ok"
+        row["torch_ms"] = statistics.median(row["torch_samples_ms"])
+        row["torch_gflops"] = row["flops"] / (row["torch_ms"] * 1e-3) * 1e-9
+        history["torch"][config] = row["torch_ms"] * 1e-3
+    if row["mha_round_medians_ms"] and row["mha_status"] == "pending":
+        row["mha_status"] = "ok"
+        row["mha_ms"] = statistics.median(row["mha_round_medians_ms"])
+        row["mha_gflops"] = row["flops"] / (row["mha_ms"] * 1e-3) * 1e-9
+        counters = [g for g in mha_gflops if g is not None and not math.isnan(g)]
+        row["mha_bench_gflops"] = statistics.median(counters) if counters else None
+        history["mha"][config] = row["mha_ms"] * 1e-3
+    if row["torch_ms"] and row["mha_ms"]:
+        row["ratio"] = row["torch_ms"] / row["mha_ms"]
+
+    notes = []
+    for side in ("torch", "mha"):
+        status, detail = row[f"{side}_status"], row[f"{side}_detail"]
+        if status != "ok":
+            notes.append(f"{side}: {status}" + (f" ({detail})" if detail and status != "not registered"
+                                                 else ""))
+    row["status"] = "; ".join(notes) if notes else "ok"
+    row["failed"] = any(row[f"{side}_status"] in ("error", "failed", "timeout")
+                        for side in ("torch", "mha"))
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description="Time PyTorch nn.MultiheadAttention and mha_bench forward/<kernel>, alternating.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--mha-bench", required=True, help="path to the mha_bench executable")
+    parser.add_argument("--threads", type=int, default=nproc(),
+                        help="threads for both sides (torch.set_num_threads, OMP_NUM_THREADS)")
+    parser.add_argument("--kernel", default="auto", help="mha_bench kernel: reference, flash, auto")
+    parser.add_argument("--sweep", choices=["default", "heads", "length"], default="default")
+    parser.add_argument("--config", type=parse_config, action="append", metavar="B,L,E,H",
+                        help="measure these configurations instead of the sweep (repeatable)")
+    parser.add_argument("--max-length", type=int, help="drop configurations with L above this")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed torch calls per round, --benchmark_repetitions for mha_bench")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating torch/mha rounds")
+    parser.add_argument("--json", help="write all rows and the run's metadata to this file")
+    parser.add_argument("--max-seconds-per-config", type=float, default=20.0,
+                        help="skip a side whose single forward call takes (or is predicted to take) longer")
+    parser.add_argument("--skip-unregistered", action="store_true",
+                        help="do not time torch for configs mha_bench does not register")
+    parser.add_argument("--mha-arg", action="append", default=[], metavar="ARG",
+                        help="extra mha_bench argument, e.g. --mha-arg=--benchmark_min_time=0.2")
+    parser.add_argument("--mha-env", type=parse_env, action="append", default=[],
+                        metavar="KEY=VALUE", help="extra environment variable for mha_bench")
+    parser.add_argument("--mha-mem-fraction", type=float, default=0.75,
+                        help="address-space limit of the mha_bench child as a fraction of "
+                             "MemAvailable (0 = no limit)")
+    parser.add_argument("--torch-omp-wait-policy", default="PASSIVE",
+                        help="OMP_WAIT_POLICY for this (torch) process; empty = leave as is")
+    parser.add_argument("--pause", type=float, default=0.1,
+                        help="seconds to sleep between the torch and mha halves of a round")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.threads < 1 or args.repeats < 1 or args.rounds < 1:
+        parser.error("--threads, --repeats and --rounds must be at least 1")
+    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", args.kernel):
+        parser.error(f"--kernel must be a plain name, got {args.kernel!r}")
+    if args.max_seconds_per_config <= 0:
+        parser.error("--max-seconds-per-config must be positive")
+
+    configs = args.config if args.config else sweep_configs(args.sweep)
+    if args.max_length is not None:
+        configs = [c for c in configs if c[1] <= args.max_length]
+    if not configs:
+        parser.error("no configuration left to measure")
+
+    try:
+        bench = MhaBench(args.mha_bench, args.threads, args.mha_arg, dict(args.mha_env),
+                         args.mha_mem_fraction)
+    except SetupError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+    # The torch process's own threading, set before torch (and OpenBLAS, libgomp) load.
+    os.environ["OPENBLAS_NUM_THREADS"] = str(args.threads)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    if args.torch_omp_wait_policy:
+        os.environ["OMP_WAIT_POLICY"] = args.torch_omp_wait_policy
+    try:
+        import torch
+    except ImportError as error:
+        print(f"error: cannot import torch ({error}); run with Debian's /usr/bin/python3 "
+              f"(python3-torch)", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+
+    command = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
+    meta = {
+        "sweep": "custom" if args.config else args.sweep,
+        "kernel": args.kernel,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "rounds": args.rounds,
+        "max_seconds_per_config": args.max_seconds_per_config,
+        "command": command,
+        "mha_bench": os.path.abspath(args.mha_bench),
+        "mha_bench_args": args.mha_arg,
+        "cpu_model": cpu_model(),
+        "nproc": nproc(),
+        "mem_available_gib": (mem_available_bytes() or 0) / 2**30,
+        "hostname": platform.node(),
+        "torch_version": torch.__version__,
+        "torch_num_threads": torch.get_num_threads(),
+        "torch_env": {k: os.environ.get(k) for k in
+                      ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "OMP_WAIT_POLICY")},
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "mha_bench_context": None,
+        "complete": False,
+    }
+
+    print(f"# {len(configs)} configs, mha kernel '{args.kernel}', {args.threads} thread(s), "
+          f"{args.rounds} rounds x {args.repeats} repeats per side, alternating torch/mha")
+    print(table_line([c[0] for c in COLUMNS]))
+    print(table_line(["-" * max(w, len(n)) for n, w, _ in COLUMNS]), flush=True)
+    rows = []
+    history = {"torch": {}, "mha": {}}
+    interrupted = False
+    try:
+        for config in configs:
+            row = measure(args, config, bench, torch, history)
+            rows.append(row)
+            print(table_line(row_cells(row)), flush=True)
+            if args.json:
+                meta["mha_bench_context"] = bench.context
+                write_json(args.json, meta, rows)
+    except KeyboardInterrupt:
+        interrupted = True
+        print("interrupted", file=sys.stderr)
+
+    meta["complete"] = not interrupted
+    meta["mha_bench_context"] = bench.context
+    if args.json:
+        write_json(args.json, meta, rows)
+    print(f"# command: {command}")
+    print(f"# machine: {meta['cpu_model']}, nproc {meta['nproc']}, torch {meta['torch_version']} "
+          f"({meta['torch_num_threads']} threads, OPENBLAS_NUM_THREADS="
+          f"{meta['torch_env']['OPENBLAS_NUM_THREADS']}, OMP_WAIT_POLICY="
+          f"{meta['torch_env']['OMP_WAIT_POLICY']}), mha_bench OMP_NUM_THREADS={args.threads}"
+          + (f"; wrote {args.json}" if args.json else ""))
+    if interrupted:
+        return 130
+    failed = [row for row in rows if row["failed"]]
+    if failed:
+        print(f"error: {len(failed)} configuration(s) failed to measure", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

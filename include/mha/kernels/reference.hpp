@@ -1,0 +1,41 @@
+// The reference kernel: for each (batch, head) it stores the [L, S'] scores, so it can return
+// the attention weights. It is the oracle the flash kernel is tested against.
+#pragma once
+
+#include "mha/kernels/common.hpp"
+#include "mha/softmax.hpp"
+
+namespace mha {
+
+namespace detail {
+
+// q is (B, H, L, D), k is (B, H, S, D), v is (B, H, S, Dv), out is (B, H, L, Dv), all as head
+// layouts; weights is null or a contiguous (B, H, L, S) buffer for the probabilities.
+// Fully masked query rows give zero weights and a zero output row.
+template <class T>
+void attention_reference(Index batch, Index heads, const HeadLayout<const T>& q,
+                         const HeadLayout<const T>& k, const HeadLayout<const T>& v,
+                         const HeadLayout<T>& out, const CoreOptions<T>& options, T* weights) {
+  const Index query_len = q.rows, key_len = k.rows;
+  Matrix<T> scores(query_len, key_len);
+  for (Index b = 0; b < batch; ++b) {
+    for (Index h = 0; h < heads; ++h) {
+      // pass 1: scaled scores and masks (scale folded into the GEMM's alpha)
+      scores.noalias() = options.scale * (q.at(b, h) * k.at(b, h).transpose());
+      options.attn_mask.apply(b, h, 0, 0, scores);
+      options.key_padding_mask.apply(b, h, 0, 0, scores);
+      apply_causal(options.causal, options.causal_cols, query_len, 0, 0, scores);
+      // pass 2: probabilities, then their weighted sum of values
+      softmax_rows_inplace(scores);
+      auto out_bh = out.at(b, h);
+      out_bh.noalias() = scores * v.at(b, h);
+      if (weights != nullptr) {
+        Eigen::Map<Matrix<T>>(weights + (b * heads + h) * query_len * key_len, query_len, key_len) =
+            scores;
+      }
+    }
+  }
+}
+
+}  // namespace detail
+}  // namespace mha

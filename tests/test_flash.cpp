@@ -1,0 +1,197 @@
+// The flash kernel against the reference kernel, its oracle: the same results within float
+// rounding for every option, with block sizes small enough that every path (several query and
+// key blocks, partial blocks, blocks skipped by causal masking or by masks) runs.
+#include <limits>
+
+#include "helpers.hpp"
+
+using mha::Causal;
+using mha::Index;
+using mha::Mask;
+using mha::MaskKind;
+using mha::Tensor;
+
+namespace {
+
+struct Case {
+  Index batch, heads, query_len, key_len, extra_keys, head_dim, value_dim;
+  MaskKind attn_kind;
+  bool per_head_mask;
+  MaskKind padding_kind;
+  Causal causal;
+  Index query_block, key_block;
+};
+
+template <class T>
+Mask<T> random_mask(MaskKind kind, const mha::Shape& shape, mha::Random& random, double blocked) {
+  if (kind == MaskKind::none) return Mask<T>();
+  if (kind == MaskKind::additive) {
+    Tensor<T> values(shape);
+    for (Index i = 0; i < values.size(); ++i) {
+      values.data()[i] = random.uniform() < blocked ? -std::numeric_limits<T>::infinity()
+                                                    : static_cast<T>(random.normal());
+    }
+    return Mask<T>::additive(values);
+  }
+  Tensor<bool> flags(shape);
+  const bool block_value = kind == MaskKind::blocked_where_true;
+  for (Index i = 0; i < flags.size(); ++i) {
+    flags.data()[i] = (random.uniform() < blocked) == block_value;
+  }
+  return kind == MaskKind::blocked_where_true ? Mask<T>::blocked_where_true(flags)
+                                              : Mask<T>::allowed_where_true(flags);
+}
+
+// Runs both kernels on one case through the internal entry points, so the block sizes can be
+// tiny; the layer and sdpa tests below go through the public API.
+template <class T>
+void check_case(const Case& c, std::uint64_t seed) {
+  const Index total_keys = c.key_len + c.extra_keys;
+  const auto q = mha_test::random_tensor<T>({c.batch, c.heads, c.query_len, c.head_dim}, seed);
+  const auto k = mha_test::random_tensor<T>({c.batch, c.heads, total_keys, c.head_dim}, seed + 1);
+  const auto v = mha_test::random_tensor<T>({c.batch, c.heads, total_keys, c.value_dim}, seed + 2);
+  mha::Random random(seed + 3);
+  // Some masks block whole rows and whole blocks: 0.9 of the keys blocked in some cases.
+  const double blocked = random.uniform() < 0.5 ? 0.3 : 0.9;
+  const auto attn_mask =
+      random_mask<T>(c.attn_kind,
+                     c.per_head_mask ? mha::Shape{c.batch, c.heads, c.query_len, c.key_len}
+                                     : mha::Shape{c.query_len, c.key_len},
+                     random, blocked);
+  const auto padding = random_mask<T>(c.padding_kind, {c.batch, c.key_len}, random, blocked);
+
+  mha::detail::CoreOptions<T> core;
+  core.scale = T(0.7);
+  core.attn_mask = mha::detail::broadcast_mask_layout(attn_mask, "attn_mask", c.batch, c.heads,
+                                                      c.query_len, c.key_len, "");
+  if (!padding.empty()) {
+    core.key_padding_mask = mha::detail::make_mask_layout(padding, c.key_len, 0, 0, c.key_len);
+  }
+  core.causal = c.causal;
+  core.causal_cols = c.key_len;
+
+  Tensor<T> reference({c.batch, c.heads, c.query_len, c.value_dim});
+  Tensor<T> flash({c.batch, c.heads, c.query_len, c.value_dim}, T(99));  // every row is written
+  const auto layout = [&](auto* data, Index rows, Index cols) {
+    return mha::detail::contiguous_heads(data, c.heads, rows, cols);
+  };
+  mha::detail::attention_reference<T>(
+      c.batch, c.heads, layout(q.data(), c.query_len, c.head_dim),
+      layout(k.data(), total_keys, c.head_dim), layout(v.data(), total_keys, c.value_dim),
+      layout(reference.data(), c.query_len, c.value_dim), core, nullptr);
+  mha::detail::attention_flash<T>(
+      c.batch, c.heads, layout(q.data(), c.query_len, c.head_dim),
+      layout(k.data(), total_keys, c.head_dim), layout(v.data(), total_keys, c.value_dim),
+      layout(flash.data(), c.query_len, c.value_dim), core, {c.query_block, c.key_block});
+  INFO("B " << c.batch << " H " << c.heads << " L " << c.query_len << " S " << c.key_len << "+"
+            << c.extra_keys << " D " << c.head_dim << " Dv " << c.value_dim << " attn "
+            << mha::mask_kind_name(c.attn_kind) << (c.per_head_mask ? " per head" : "")
+            << " padding " << mha::mask_kind_name(c.padding_kind) << " causal "
+            << static_cast<int>(c.causal) << " blocks " << c.query_block << "x" << c.key_block
+            << " blocked " << blocked);
+  REQUIRE(flash.flat().allFinite());
+  CHECK_TENSORS_CLOSE(flash, reference);
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("flash equals reference for random options and tiny blocks", "[flash]", float,
+                   double) {
+  mha::Random random(2024);
+  const MaskKind kinds[] = {MaskKind::none, MaskKind::blocked_where_true,
+                            MaskKind::allowed_where_true, MaskKind::additive};
+  const Causal causals[] = {Causal::none, Causal::top_left, Causal::bottom_right};
+  const auto pick = [&](Index low, Index high) {
+    return low + static_cast<Index>(random.uniform() * static_cast<double>(high - low + 1));
+  };
+  for (int trial = 0; trial < 300; ++trial) {
+    Case c{};
+    c.batch = pick(1, 2);
+    c.heads = pick(1, 3);
+    c.query_len = pick(1, 17);
+    c.key_len = pick(1, 19);
+    c.extra_keys = pick(0, 2);
+    c.head_dim = pick(1, 6);
+    c.value_dim = pick(1, 5);
+    c.attn_kind = kinds[pick(0, 3)];
+    c.per_head_mask = random.uniform() < 0.5;
+    c.padding_kind = kinds[pick(0, 3)];
+    c.causal = causals[pick(0, 2)];
+    c.query_block = pick(1, 8);
+    c.key_block = pick(1, 8);
+    check_case<TestType>(c, 1000 + static_cast<std::uint64_t>(trial));
+  }
+}
+
+TEMPLATE_TEST_CASE("flash equals reference through sdpa at sizes that span several blocks",
+                   "[flash]", float, double) {
+  for (const Causal causal : {Causal::none, Causal::top_left, Causal::bottom_right}) {
+    const auto q = mha_test::random_tensor<TestType>({2, 150, 16}, 1);
+    const auto k = mha_test::random_tensor<TestType>({2, 600, 16}, 2);
+    const auto v = mha_test::random_tensor<TestType>({2, 600, 8}, 3);
+    const auto m = mha_test::random_tensor<TestType>({150, 600}, 4);
+    mha::AttentionOptions<TestType> options;
+    options.mask = Mask<TestType>::additive(m);
+    options.causal = causal;
+    options.kernel = mha::Kernel::reference;
+    const auto reference = mha::scaled_dot_product_attention(q, k, v, options);
+    options.kernel = mha::Kernel::flash;
+    const auto flash = mha::scaled_dot_product_attention(q, k, v, options);
+    options.kernel = mha::Kernel::automatic;
+    const auto automatic = mha::scaled_dot_product_attention(q, k, v, options);
+    CHECK_TENSORS_CLOSE(flash.output, reference.output);
+    CHECK(automatic.output.flat() == flash.output.flat());
+  }
+}
+
+TEMPLATE_TEST_CASE("flash equals reference in the layer for every option", "[flash][mha]", float,
+                   double) {
+  using T = TestType;
+  mha::Random random(77);
+  for (int trial = 0; trial < 40; ++trial) {
+    const Index heads = 1 + static_cast<Index>(random.uniform() * 3);
+    mha::MultiHeadAttentionConfig config(heads * (1 + static_cast<Index>(random.uniform() * 4)),
+                                         heads);
+    config.bias = random.uniform() < 0.7;
+    config.add_bias_kv = random.uniform() < 0.4;
+    config.add_zero_attn = random.uniform() < 0.4;
+    config.kdim = random.uniform() < 0.3 ? 3 : 0;
+    config.vdim = random.uniform() < 0.3 ? 5 : 0;
+    config.seed = static_cast<std::uint64_t>(trial);
+    const mha::MultiHeadAttention<T> layer(config);
+    const Index B = 2, L = 1 + static_cast<Index>(random.uniform() * 90),
+                S = 1 + static_cast<Index>(random.uniform() * 300);
+    const auto q = mha_test::random_tensor<T>({B, L, layer.embed_dim()}, 10 + trial);
+    const auto k = mha_test::random_tensor<T>({B, S, layer.kdim()}, 20 + trial);
+    const auto v = mha_test::random_tensor<T>({B, S, layer.vdim()}, 30 + trial);
+    mha::ForwardOptions<T> options;
+    options.need_weights = false;
+    options.is_causal = random.uniform() < 0.4;
+    if (random.uniform() < 0.5) {
+      options.key_padding_mask = random_mask<T>(MaskKind::blocked_where_true, {B, S}, random, 0.5);
+    }
+    if (random.uniform() < 0.5) {
+      options.attn_mask = random_mask<T>(
+          MaskKind::additive,
+          random.uniform() < 0.5 ? mha::Shape{L, S} : mha::Shape{B * heads, L, S}, random, 0.5);
+    }
+    options.kernel = mha::Kernel::reference;
+    const auto reference = layer.forward(q, k, v, options);
+    options.kernel = mha::Kernel::flash;
+    const auto flash = layer.forward(q, k, v, options);
+    INFO("trial " << trial);
+    REQUIRE(flash.output.flat().allFinite());
+    CHECK_TENSORS_CLOSE(flash.output, reference.output);
+    CHECK(flash.attn_weights.size() == 0);
+  }
+}
+
+TEST_CASE("flash refuses to return weights", "[flash][errors]") {
+  const mha::MultiHeadAttention<float> layer(8, 2);
+  const auto x = mha_test::random_tensor<float>({1, 3, 8}, 1);
+  mha::ForwardOptions<float> options;
+  options.kernel = mha::Kernel::flash;
+  CHECK_THROWS_AS(layer.forward(x, options), mha::ShapeError);
+  options.need_weights = false;
+  CHECK_NOTHROW(layer.forward(x, options));
+}
