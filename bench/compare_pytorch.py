@@ -62,6 +62,7 @@ import platform
 import re
 import resource
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -185,16 +186,25 @@ class MhaBench:
                    *self.extra_args]
         try:
             proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True, env=self.env)
+                                    text=True, env=self.env, start_new_session=True)
         except OSError as error:
             return {"status": "failed", "detail": f"cannot run mha_bench: {error}"}
         self._limit_memory(proc.pid)
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # its own process group: nothing else
+            except OSError:
+                proc.kill()
             proc.communicate()
             return {"status": "timeout", "detail": f"mha_bench killed after {timeout:.0f} s"}
+        except KeyboardInterrupt:  # the child is in its own session and did not get the SIGINT
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            raise
         stderr = stderr.strip()
         if proc.returncode != 0:
             how = (f"signal {-proc.returncode}" if proc.returncode < 0
@@ -450,6 +460,8 @@ def main():
     if args.max_seconds_per_config <= 0:
         parser.error("--max-seconds-per-config must be positive")
 
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        parser.error(f"--json: directory of {args.json!r} does not exist")
     configs = args.config if args.config else sweep_configs(args.sweep)
     if args.max_length is not None:
         configs = [c for c in configs if c[1] <= args.max_length]
@@ -470,7 +482,7 @@ def main():
         os.environ["OMP_WAIT_POLICY"] = args.torch_omp_wait_policy
     try:
         import torch
-    except ImportError as error:
+    except Exception as error:  # ImportError, or a broken install failing to load its libraries
         print(f"error: cannot import torch ({error}); run with Debian's /usr/bin/python3 "
               f"(python3-torch)", file=sys.stderr)
         return 2

@@ -20,12 +20,13 @@ void set_flops(benchmark::State& state, double flops_per_iteration) {
       benchmark::Counter(flops_per_iteration * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
-void forward_reference(benchmark::State& state) {
+void forward(benchmark::State& state, mha::Kernel kernel) {
   const mha::Index B = state.range(0), L = state.range(1), E = state.range(2), H = state.range(3);
   const mha::MultiHeadAttention<float> layer(E, H);
   const auto x = random_tensor({B, L, E}, 1);
   mha::ForwardOptions<float> options;
   options.need_weights = false;
+  options.kernel = kernel;
   for (auto _ : state) {
     auto result = layer.forward(x, x, x, options);
     benchmark::DoNotOptimize(result.output.data());
@@ -34,13 +35,15 @@ void forward_reference(benchmark::State& state) {
   set_flops(state, static_cast<double>(B) * (8 * n * e * e + 4 * n * n * e));
 }
 
-void sdpa_reference(benchmark::State& state) {
+void sdpa(benchmark::State& state, mha::Kernel kernel) {
   const mha::Index B = state.range(0), L = state.range(1), E = state.range(2), H = state.range(3);
   const mha::Index D = E / H;
   const auto q = random_tensor({B, H, L, D}, 1), k = random_tensor({B, H, L, D}, 2),
              v = random_tensor({B, H, L, D}, 3);
+  mha::AttentionOptions<float> options;
+  options.kernel = kernel;
   for (auto _ : state) {
-    auto result = mha::scaled_dot_product_attention(q, k, v);
+    auto result = mha::scaled_dot_product_attention(q, k, v, options);
     benchmark::DoNotOptimize(result.output.data());
   }
   const double n = static_cast<double>(L), e = static_cast<double>(E);
@@ -64,13 +67,20 @@ void shapes(benchmark::internal::Benchmark* b) {
   b->Args({1, 128, 768, 12});
   b->Args({8, 128, 512, 8});
   b->Args({1, 1024, 512, 8});
+  b->Args({1, 2048, 512, 8});
+  b->Args({1, 4096, 512, 8});
   b->Unit(benchmark::kMillisecond);
 }
 
 }  // namespace
 
-BENCHMARK(forward_reference)->Name("forward/reference")->Apply(shapes);
-BENCHMARK(sdpa_reference)->Name("sdpa/reference")->Apply(shapes);
+BENCHMARK_CAPTURE(forward, reference, mha::Kernel::reference)
+    ->Name("forward/reference")
+    ->Apply(shapes);
+BENCHMARK_CAPTURE(forward, flash, mha::Kernel::flash)->Name("forward/flash")->Apply(shapes);
+BENCHMARK_CAPTURE(forward, auto, mha::Kernel::automatic) -> Name("forward/auto") -> Apply(shapes);
+BENCHMARK_CAPTURE(sdpa, reference, mha::Kernel::reference)->Name("sdpa/reference")->Apply(shapes);
+BENCHMARK_CAPTURE(sdpa, flash, mha::Kernel::flash)->Name("sdpa/flash")->Apply(shapes);
 BENCHMARK(gemm)->Name("gemm")->ArgName("N")->Arg(512)->Arg(1024)->Unit(benchmark::kMillisecond);
 
 BENCHMARK_MAIN();

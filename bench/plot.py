@@ -124,11 +124,14 @@ def plot_heads(meta, rows, out_dir, tag):
             if j == 0:
                 ax.set_ylabel("forward time (ms)")
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper right", fontsize=8)
-    fig.suptitle(f"MHA forward time vs heads\n{title_suffix(meta)}", fontsize=11)
-    fig.tight_layout(rect=(0, 0.05, 1, 0.97))
+    fig.suptitle(f"MHA forward time vs heads\n{title_suffix(meta)}", fontsize=11, y=0.995)
+    notes = skipped_notes(rows, lambda r: f"E={r['E']}/L={r['L']}/H={r['H']}")
+    top = 1 - 0.85 / fig.get_figheight()  # room for the two-line title and the legend
+    fig.tight_layout(rect=(0, 0.06 if notes else 0, 1, top))
+    fig.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, top), ncol=2, fontsize=8,
+               frameon=False)
     path = os.path.join(out_dir, f"{tag}_time.png")
-    finish(fig, path, skipped_notes(rows, lambda r: f"E={r['E']}/L={r['L']}/H={r['H']}"), meta)
+    finish(fig, path, notes, meta)
     written.append(path)
 
     ratio_rows = [row for row in rows if positive(row.get("ratio"))]
