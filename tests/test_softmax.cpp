@@ -57,3 +57,33 @@ TEST_CASE("softmax works on a strided view in place", "[softmax]") {
   CHECK(wide.leftCols(3).isZero());
   CHECK((wide.rightCols(3).array() - 1.0 / 3.0).abs().maxCoeff() < 1e-15);
 }
+
+TEMPLATE_TEST_CASE("softmax with some keys blocked equals the softmax over the visible ones",
+                   "[softmax]", float, double) {
+  constexpr TestType inf = std::numeric_limits<TestType>::infinity();
+  mha::Random random(8);
+  for (const Index cols : {Index(1), Index(7), Index(33), Index(300)}) {
+    Matrix<TestType> scores = mha_test::random_tensor<TestType>({5, cols}, 9, 4.0).matrix();
+    for (Index r = 0; r < scores.rows(); ++r)
+      for (Index c = 1; c < cols; ++c)
+        if (random.uniform() < 0.5) scores(r, c) = -inf;
+    Matrix<TestType> p = scores;
+    mha::softmax_rows_inplace(p);
+    for (Index r = 0; r < scores.rows(); ++r) {
+      double max = -1e300, sum = 0;
+      for (Index c = 0; c < cols; ++c)
+        if (scores(r, c) != -inf) max = std::max(max, double(scores(r, c)));
+      for (Index c = 0; c < cols; ++c)
+        if (scores(r, c) != -inf) sum += std::exp(double(scores(r, c)) - max);
+      for (Index c = 0; c < cols; ++c) {
+        const double expected =
+            scores(r, c) == -inf ? 0.0 : std::exp(double(scores(r, c)) - max) / sum;
+        if (expected == 0.0) {
+          CHECK(p(r, c) == TestType(0));
+        } else {
+          CHECK(std::abs(double(p(r, c)) - expected) <= 1e-6 * expected + 1e-7);
+        }
+      }
+    }
+  }
+}

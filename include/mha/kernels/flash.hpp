@@ -16,6 +16,7 @@
 #include <limits>
 
 #include "mha/kernels/common.hpp"
+#include "mha/softmax.hpp"
 
 namespace mha {
 namespace detail {
@@ -45,6 +46,7 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
   Matrix<T> tile(blocks.query, blocks.key);
   Matrix<T> acc(blocks.query, value_dim);
   Vector<T> row_max(blocks.query), row_sum(blocks.query);
+  RowVector<T> scratch(blocks.key);
 
   for (Index b = 0; b < batch; ++b) {
     for (Index h = 0; h < heads; ++h) {
@@ -89,11 +91,7 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
               acc_blk.row(r) *= correction;
               row_max(r) = block_max;
             }
-            // Eigen's vectorised exp clamps, so exp(-inf) would not be exactly 0: select.
-            score_row = (score_row.array() == kNegInf)
-                            .select(T(0), (score_row.array() - row_max(r)).exp())
-                            .matrix();
-            row_sum(r) += score_row.sum();
+            row_sum(r) += exp_shifted_inplace(score_row, row_max(r), scratch);
           }
           acc_blk.noalias() += s * v_bh.middleRows(j0, cols);
         };
