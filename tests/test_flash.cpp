@@ -195,3 +195,30 @@ TEST_CASE("flash refuses to return weights", "[flash][errors]") {
   options.need_weights = false;
   CHECK_NOTHROW(layer.forward(x, options));
 }
+
+#ifdef _OPENMP
+#include <omp.h>
+
+TEMPLATE_TEST_CASE("results do not depend on the number of threads", "[flash][threads]", float,
+                   double) {
+  using T = TestType;
+  mha::MultiHeadAttentionConfig config(32, 4);
+  config.seed = 3;
+  const mha::MultiHeadAttention<T> layer(config);
+  const auto x = mha_test::random_tensor<T>({3, 300, 32}, 5);
+  const int threads_before = omp_get_max_threads();
+  for (const auto kernel : {mha::Kernel::reference, mha::Kernel::flash}) {
+    mha::ForwardOptions<T> options;
+    options.need_weights = false;
+    options.is_causal = true;
+    options.kernel = kernel;
+    omp_set_num_threads(1);
+    const auto one = layer.forward(x, options);
+    omp_set_num_threads(3);
+    const auto three = layer.forward(x, options);
+    INFO(mha::kernel_name(kernel));
+    CHECK(one.output.flat() == three.output.flat());
+  }
+  omp_set_num_threads(threads_before);
+}
+#endif

@@ -34,14 +34,15 @@ T exp_shifted_inplace(Row&& row, T row_max, RowVector<T>& scratch) {
 }  // namespace detail
 
 // scores is [rows, cols], softmax taken along each row, in place. Accepts any writable Eigen
-// expression (a matrix, a block, a strided map).
+// expression (a matrix, a block, a strided map). scratch holds at least cols elements.
 template <class Derived>
-void softmax_rows_inplace(const Eigen::MatrixBase<Derived>& scores_expression) {
+void softmax_rows_inplace(const Eigen::MatrixBase<Derived>& scores_expression,
+                          RowVector<typename Derived::Scalar>& scratch) {
   using T = typename Derived::Scalar;
   // Eigen's documented idiom for writing through an expression passed by const reference.
   auto& scores = const_cast<Eigen::MatrixBase<Derived>&>(scores_expression);
   if (scores.cols() == 0) return;
-  RowVector<T> scratch(scores.cols());
+  if (scratch.size() < scores.cols()) scratch.resize(scores.cols());
   for (Index r = 0; r < scores.rows(); ++r) {
     auto row = scores.row(r);
     const T row_max = row.maxCoeff();
@@ -52,6 +53,12 @@ void softmax_rows_inplace(const Eigen::MatrixBase<Derived>& scores_expression) {
     // The maximum entry contributed exp(0) = 1, so the sum is at least 1: no division by zero.
     row /= detail::exp_shifted_inplace(row, row_max, scratch);
   }
+}
+
+template <class Derived>
+void softmax_rows_inplace(const Eigen::MatrixBase<Derived>& scores) {
+  RowVector<typename Derived::Scalar> scratch(scores.cols());
+  softmax_rows_inplace(scores, scratch);
 }
 
 // Returns the row softmax of scores [rows, cols].

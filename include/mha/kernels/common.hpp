@@ -9,6 +9,14 @@
 #include "mha/mask.hpp"
 #include "mha/tensor.hpp"
 
+// OpenMP when the compiler has it enabled (-fopenmp, CMake option MHA_USE_OPENMP); without it
+// the kernels run serially and the pragmas vanish (no -Wunknown-pragmas).
+#ifdef _OPENMP
+#define MHA_OMP_PRAGMA(x) _Pragma(#x)
+#else
+#define MHA_OMP_PRAGMA(x)
+#endif
+
 namespace mha {
 
 namespace detail {

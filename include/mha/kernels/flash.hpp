@@ -43,18 +43,29 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
   const bool any_mask = options.attn_mask.kind != MaskKind::none ||
                         options.key_padding_mask.kind != MaskKind::none ||
                         options.causal != Causal::none;
-  Matrix<T> tile(blocks.query, blocks.key);
-  Matrix<T> acc(blocks.query, value_dim);
-  Vector<T> row_max(blocks.query), row_sum(blocks.query);
-  RowVector<T> scratch(blocks.key);
+  const Index query_blocks = (query_len + blocks.query - 1) / blocks.query;
+  const Index tasks = batch * heads * query_blocks;
 
-  for (Index b = 0; b < batch; ++b) {
-    for (Index h = 0; h < heads; ++h) {
+  // Threads split (batch, head, query block) tasks; each task is computed whole by one thread
+  // with the same arithmetic, so results do not depend on the number of threads.
+  MHA_OMP_PRAGMA(omp parallel if (tasks > 1)) {
+    // Per-thread workspace, allocated once per call, never inside the task loop.
+    Matrix<T> tile(blocks.query, blocks.key);
+    Matrix<T> acc(blocks.query, value_dim);
+    Vector<T> row_max(blocks.query), row_sum(blocks.query);
+    RowVector<T> scratch(blocks.key);
+
+    // Causal rows of later blocks see more keys: dynamic scheduling balances them.
+    MHA_OMP_PRAGMA(omp for schedule(dynamic))
+    for (Index task = 0; task < tasks; ++task) {
+      const Index b = task / (heads * query_blocks);
+      const Index h = (task / query_blocks) % heads;
+      const Index i0 = (task % query_blocks) * blocks.query;
       const auto q_bh = q.at(b, h);
       const auto k_bh = k.at(b, h);
       const auto v_bh = v.at(b, h);
       auto out_bh = out.at(b, h);
-      for (Index i0 = 0; i0 < query_len; i0 += blocks.query) {
+      {
         const Index rows = std::min(blocks.query, query_len - i0);
         auto acc_blk = acc.topRows(rows);
         acc_blk.setZero();

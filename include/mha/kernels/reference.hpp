@@ -17,16 +17,22 @@ void attention_reference(Index batch, Index heads, const HeadLayout<const T>& q,
                          const HeadLayout<const T>& k, const HeadLayout<const T>& v,
                          const HeadLayout<T>& out, const CoreOptions<T>& options, T* weights) {
   const Index query_len = q.rows, key_len = k.rows;
-  Matrix<T> scores(query_len, key_len);
-  for (Index b = 0; b < batch; ++b) {
-    for (Index h = 0; h < heads; ++h) {
+  const Index tasks = batch * heads;
+  // One (batch, head) per task, computed whole by one thread: results do not depend on the
+  // number of threads.
+  MHA_OMP_PRAGMA(omp parallel if (tasks > 1)) {
+    Matrix<T> scores(query_len, key_len);  // per thread, allocated once per call
+    RowVector<T> scratch(key_len);
+    MHA_OMP_PRAGMA(omp for schedule(static))
+    for (Index task = 0; task < tasks; ++task) {
+      const Index b = task / heads, h = task % heads;
       // pass 1: scaled scores and masks (scale folded into the GEMM's alpha)
       scores.noalias() = options.scale * (q.at(b, h) * k.at(b, h).transpose());
       options.attn_mask.apply(b, h, 0, 0, scores);
       options.key_padding_mask.apply(b, h, 0, 0, scores);
       apply_causal(options.causal, options.causal_cols, query_len, 0, 0, scores);
       // pass 2: probabilities, then their weighted sum of values
-      softmax_rows_inplace(scores);
+      softmax_rows_inplace(scores, scratch);
       auto out_bh = out.at(b, h);
       out_bh.noalias() = scores * v.at(b, h);
       if (weights != nullptr) {
