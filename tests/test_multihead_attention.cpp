@@ -321,3 +321,21 @@ TEST_CASE("parameters and state dicts are checked before anything changes", "[mh
   CHECK_THROWS_AS(MultiHeadAttention<double>::from_state_dict(layer.state_dict(), 3),
                   mha::ShapeError);
 }
+
+TEMPLATE_TEST_CASE("self-attention's fused QKV projection equals separate projections",
+                   "[mha][fused]", float, double) {
+  using T = TestType;
+  for (const bool bias : {true, false}) {
+    MultiHeadAttentionConfig config(24, 4);
+    config.bias = bias;
+    const auto layer = random_layer<T>(config, 800);
+    const auto x = mha_test::random_tensor<T>({3, 70, 24}, 17);
+    const Tensor<T> key_copy = x, value_copy = x;  // other buffers: the unfused path
+    mha::ForwardOptions<T> options;
+    options.average_attn_weights = false;
+    const auto fused = layer.forward(x, x, x, options);
+    const auto separate = layer.forward(x, key_copy, value_copy, options);
+    CHECK_TENSORS_CLOSE(fused.output, separate.output);
+    CHECK_TENSORS_CLOSE(fused.attn_weights, separate.attn_weights);
+  }
+}

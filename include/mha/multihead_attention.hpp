@@ -280,25 +280,49 @@ class MultiHeadAttention {
     core.causal = options.is_causal ? Causal::top_left : Causal::none;
     core.causal_cols = key_len;
 
-    // q [B*L, E]; k, v [B, S', E] with the extra rows after each batch's S projected rows.
-    Matrix<T> q(batch * query_len, embed);
-    q.noalias() = query.matrix() * weight_rows(0).transpose();
-    add_bias(q, 0);
-    Matrix<T> k = project_keys(key, 1, batch, key_len, total_keys, bias_k_);
-    Matrix<T> v = project_keys(value, 2, batch, key_len, total_keys, bias_v_);
+    // Self-attention without extra key rows projects q, k and v in one [B*L, E] x [E, 3E] GEMM
+    // into [B*L, 3E]; heads then read q, k and v at column offsets 0, E and 2E.
+    const bool fused = packed_projection() && !config_.add_bias_kv && !config_.add_zero_attn &&
+                       query.data() == key.data() && key.data() == value.data() &&
+                       query.shape() == key.shape() && key.shape() == value.shape();
+    Matrix<T> qkv, q, k, v;
+    const T* q_data;
+    const T* k_data;
+    const T* v_data;
+    Index q_stride = embed, kv_stride = embed;
+    if (fused) {
+      qkv.resize(batch * query_len, 3 * embed);
+      qkv.noalias() = query.matrix() * in_proj_weight_.matrix().transpose();
+      if (config_.bias) qkv.rowwise() += in_proj_bias_.flat().transpose();
+      q_data = qkv.data();
+      k_data = q_data + embed;
+      v_data = q_data + 2 * embed;
+      q_stride = kv_stride = 3 * embed;
+    } else {
+      // q [B*L, E]; k, v [B*S', E] with the extra rows after each batch's S projected rows.
+      q.resize(batch * query_len, embed);
+      q.noalias() = query.matrix() * weight_rows(0).transpose();
+      add_bias(q, 0);
+      k = project_keys(key, 1, batch, key_len, total_keys, bias_k_);
+      v = project_keys(value, 2, batch, key_len, total_keys, bias_v_);
+      q_data = q.data();
+      k_data = k.data();
+      v_data = v.data();
+    }
 
     Matrix<T> attended(batch * query_len, embed);
     Tensor<T> per_head_weights;
     if (options.need_weights) per_head_weights = Tensor<T>({batch, heads, query_len, total_keys});
-    const auto heads_of = [&](auto* data, Index rows) {
+    // Head h of batch b: rows b*rows.., columns h*D.. of a buffer whose rows are `stride` apart.
+    const auto heads_of = [&](auto* data, Index rows, Index stride) {
       using Element = std::remove_pointer_t<decltype(data)>;
-      return detail::HeadLayout<Element>{data, rows * embed, head_dim, embed, rows, head_dim};
+      return detail::HeadLayout<Element>{data, rows * stride, head_dim, stride, rows, head_dim};
     };
     const Kernel kernel = detail::resolve_kernel(options.kernel, options.need_weights);
-    detail::attention<T>(kernel, batch, heads, heads_of(static_cast<const T*>(q.data()), query_len),
-                         heads_of(static_cast<const T*>(k.data()), total_keys),
-                         heads_of(static_cast<const T*>(v.data()), total_keys),
-                         heads_of(attended.data(), query_len), core,
+    detail::attention<T>(kernel, batch, heads, heads_of(q_data, query_len, q_stride),
+                         heads_of(k_data, total_keys, kv_stride),
+                         heads_of(v_data, total_keys, kv_stride),
+                         heads_of(attended.data(), query_len, embed), core,
                          options.need_weights ? per_head_weights.data() : nullptr);
 
     ForwardResult<T> result;
@@ -388,6 +412,11 @@ class MultiHeadAttention {
     const Index width = input.dim(input.rank() - 1);
     Matrix<T> projected(batch * total_keys, embed);
     const auto weight = weight_rows(which);
+    if (total_keys == key_len) {  // no extra rows: one GEMM over every batch
+      projected.noalias() = input.matrix() * weight.transpose();
+      add_bias(projected, which);
+      return projected;
+    }
     for (Index b = 0; b < batch; ++b) {
       auto rows = projected.middleRows(b * total_keys, key_len);
       rows.noalias() =
