@@ -4,6 +4,12 @@
 // 4·n²·E; the GFLOPS counter uses these counts.
 #include <benchmark/benchmark.h>
 
+#include <array>
+#include <cstdint>
+#include <iterator>
+#include <set>
+#include <vector>
+
 #include <mha/mha.hpp>
 
 namespace {
@@ -62,25 +68,58 @@ void gemm(benchmark::State& state) {
   set_flops(state, 2.0 * static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(n));
 }
 
-void shapes(benchmark::internal::Benchmark* b) {
+using Config = std::array<std::int64_t, 4>;  // B, L, E, H
+
+const std::vector<Config> kDefaultConfigs = {
+    {1, 128, 768, 12}, {8, 128, 512, 8}, {1, 1024, 512, 8}, {1, 2048, 512, 8}, {1, 4096, 512, 8}};
+
+// The default configurations, the head-count sweep (E in {512, 768, 1024}, every H of
+// {1, ..., 64} dividing E, L in {128, 512, 2048}) and the sequence sweep (L = 128 ... 16384 at
+// E = 512, H = 8), each once, up to max_length.
+std::set<Config> all_configs(std::int64_t max_length) {
+  std::set<Config> configs(kDefaultConfigs.begin(), kDefaultConfigs.end());
+  for (const std::int64_t e : {512, 768, 1024}) {
+    for (const std::int64_t h : {1, 2, 4, 8, 12, 16, 32, 64}) {
+      if (e % h != 0) continue;
+      for (const std::int64_t l : {128, 512, 2048}) configs.insert({1, l, e, h});
+    }
+  }
+  for (std::int64_t l = 128; l <= 16384; l *= 2) configs.insert({1, l, 512, 8});
+  for (auto it = configs.begin(); it != configs.end();) {
+    it = (*it)[1] > max_length ? configs.erase(it) : std::next(it);
+  }
+  return configs;
+}
+
+void with_configs(benchmark::internal::Benchmark* b, const std::set<Config>& configs) {
   b->ArgNames({"B", "L", "E", "H"});
-  b->Args({1, 128, 768, 12});
-  b->Args({8, 128, 512, 8});
-  b->Args({1, 1024, 512, 8});
-  b->Args({1, 2048, 512, 8});
-  b->Args({1, 4096, 512, 8});
+  for (const Config& c : configs) b->Args({c[0], c[1], c[2], c[3]});
   b->Unit(benchmark::kMillisecond);
+}
+
+void default_shapes(benchmark::internal::Benchmark* b) {
+  with_configs(b, std::set<Config>(kDefaultConfigs.begin(), kDefaultConfigs.end()));
+}
+// The reference kernel stores H·L² scores: up to L = 4096 (512 MiB at H = 8).
+void reference_shapes(benchmark::internal::Benchmark* b) {
+  with_configs(b, all_configs(4096));
+}
+void sweep_shapes(benchmark::internal::Benchmark* b) {
+  with_configs(b, all_configs(16384));
 }
 
 }  // namespace
 
 BENCHMARK_CAPTURE(forward, reference, mha::Kernel::reference)
     ->Name("forward/reference")
-    ->Apply(shapes);
-BENCHMARK_CAPTURE(forward, flash, mha::Kernel::flash)->Name("forward/flash")->Apply(shapes);
-BENCHMARK_CAPTURE(forward, auto, mha::Kernel::automatic) -> Name("forward/auto") -> Apply(shapes);
-BENCHMARK_CAPTURE(sdpa, reference, mha::Kernel::reference)->Name("sdpa/reference")->Apply(shapes);
-BENCHMARK_CAPTURE(sdpa, flash, mha::Kernel::flash)->Name("sdpa/flash")->Apply(shapes);
+    ->Apply(reference_shapes);
+BENCHMARK_CAPTURE(forward, flash, mha::Kernel::flash)->Name("forward/flash")->Apply(sweep_shapes);
+BENCHMARK_CAPTURE(forward, auto, mha::Kernel::automatic) -> Name("forward/auto")
+    -> Apply(sweep_shapes);
+BENCHMARK_CAPTURE(sdpa, reference, mha::Kernel::reference)
+    ->Name("sdpa/reference")
+    ->Apply(default_shapes);
+BENCHMARK_CAPTURE(sdpa, flash, mha::Kernel::flash)->Name("sdpa/flash")->Apply(default_shapes);
 BENCHMARK(gemm)->Name("gemm")->ArgName("N")->Arg(512)->Arg(1024)->Unit(benchmark::kMillisecond);
 
 BENCHMARK_MAIN();
