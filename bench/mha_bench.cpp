@@ -1,10 +1,16 @@
 // Google Benchmark suite. Names: forward/<kernel>/B:<b>/L:<l>/E:<e>/H:<h> for the whole layer,
 // sdpa/<kernel>/... for the attention core alone, gemm/N:<n> for the GEMM ceiling in the same
 // run. FLOPs per batch element (self-attention, L = S = n, width E): projections 8·n·E², core
-// 4·n²·E; the GFLOPS counter uses these counts.
+// 4·n²·E; the GFLOPS counter uses these counts. The peak_extra_MiB counter is the most heap
+// memory one call held above what was allocated before it (inputs and the layer excluded,
+// outputs included), from counting malloc/free in this binary (glibc).
 #include <benchmark/benchmark.h>
+#include <malloc.h>
 
 #include <array>
+#include <atomic>
+#include <cerrno>
+#include <cstddef>
 #include <cstdint>
 #include <iterator>
 #include <set>
@@ -12,7 +18,86 @@
 
 #include <mha/mha.hpp>
 
+// Heap accounting: every allocation of this process goes through these wrappers of glibc's
+// allocator, which keep the bytes in use and the peak since the last reset.
+extern "C" {
+void* __libc_malloc(std::size_t);
+void* __libc_calloc(std::size_t, std::size_t);
+void* __libc_realloc(void*, std::size_t);
+void* __libc_memalign(std::size_t, std::size_t);
+void __libc_free(void*);
+}
+
 namespace {
+
+std::atomic<std::int64_t> g_in_use{0};
+std::atomic<std::int64_t> g_peak{0};
+
+void count_allocation(void* p) {
+  if (p == nullptr) return;
+  const auto bytes = static_cast<std::int64_t>(malloc_usable_size(p));
+  const std::int64_t now = g_in_use.fetch_add(bytes) + bytes;
+  std::int64_t peak = g_peak.load();
+  while (now > peak && !g_peak.compare_exchange_weak(peak, now)) {
+  }
+}
+void count_free(void* p) {
+  if (p != nullptr) g_in_use.fetch_sub(static_cast<std::int64_t>(malloc_usable_size(p)));
+}
+
+}  // namespace
+
+extern "C" {
+void* malloc(std::size_t size) {
+  void* p = __libc_malloc(size);
+  count_allocation(p);
+  return p;
+}
+void* calloc(std::size_t count, std::size_t size) {
+  void* p = __libc_calloc(count, size);
+  count_allocation(p);
+  return p;
+}
+void* realloc(void* old, std::size_t size) {
+  count_free(old);
+  void* p = __libc_realloc(old, size);
+  count_allocation(p != nullptr ? p : (size == 0 ? nullptr : old));
+  return p;
+}
+void free(void* p) {
+  count_free(p);
+  __libc_free(p);
+}
+int posix_memalign(void** out, std::size_t alignment, std::size_t size) {
+  void* p = __libc_memalign(alignment, size);
+  if (p == nullptr) return ENOMEM;
+  count_allocation(p);
+  *out = p;
+  return 0;
+}
+void* aligned_alloc(std::size_t alignment, std::size_t size) {
+  void* p = __libc_memalign(alignment, size);
+  count_allocation(p);
+  return p;
+}
+void* memalign(std::size_t alignment, std::size_t size) {
+  void* p = __libc_memalign(alignment, size);
+  count_allocation(p);
+  return p;
+}
+}
+
+namespace {
+
+// Runs call once outside the timing and reports the most memory it held beyond the baseline.
+template <class Call>
+void report_peak_memory(benchmark::State& state, Call&& call) {
+  const std::int64_t before = g_in_use.load();
+  g_peak.store(before);
+  call();
+  state.counters["peak_extra_MiB"] =
+      static_cast<double>(g_peak.load() - before) / (1024.0 * 1024.0);
+}
 
 mha::Tensor<float> random_tensor(const mha::Shape& shape, std::uint64_t seed) {
   mha::Random random(seed);
@@ -33,6 +118,7 @@ void forward(benchmark::State& state, mha::Kernel kernel) {
   mha::ForwardOptions<float> options;
   options.need_weights = false;
   options.kernel = kernel;
+  report_peak_memory(state, [&] { benchmark::DoNotOptimize(layer.forward(x, x, x, options)); });
   for (auto _ : state) {
     auto result = layer.forward(x, x, x, options);
     benchmark::DoNotOptimize(result.output.data());
@@ -48,6 +134,9 @@ void sdpa(benchmark::State& state, mha::Kernel kernel) {
              v = random_tensor({B, H, L, D}, 3);
   mha::AttentionOptions<float> options;
   options.kernel = kernel;
+  report_peak_memory(state, [&] {
+    benchmark::DoNotOptimize(mha::scaled_dot_product_attention(q, k, v, options));
+  });
   for (auto _ : state) {
     auto result = mha::scaled_dot_product_attention(q, k, v, options);
     benchmark::DoNotOptimize(result.output.data());
