@@ -44,8 +44,10 @@ Mask<T> random_mask(MaskKind kind, const mha::Shape& shape, mha::Random& random,
 
 // Runs both kernels on one case through the internal entry points, so the block sizes can be
 // tiny; the layer and sdpa tests below go through the public API.
+// scratch persists across cases of different shapes, as a Workspace does across calls.
 template <class T>
-void check_case(const Case& c, std::uint64_t seed) {
+void check_case(const Case& c, std::uint64_t seed,
+                std::vector<mha::detail::KernelScratch<T>>& scratch) {
   const Index total_keys = c.key_len + c.extra_keys;
   const auto q = mha_test::random_tensor<T>({c.batch, c.heads, c.query_len, c.head_dim}, seed);
   const auto k = mha_test::random_tensor<T>({c.batch, c.heads, total_keys, c.head_dim}, seed + 1);
@@ -78,11 +80,11 @@ void check_case(const Case& c, std::uint64_t seed) {
   mha::detail::attention_reference<T>(
       c.batch, c.heads, layout(q.data(), c.query_len, c.head_dim),
       layout(k.data(), total_keys, c.head_dim), layout(v.data(), total_keys, c.value_dim),
-      layout(reference.data(), c.query_len, c.value_dim), core, nullptr);
+      layout(reference.data(), c.query_len, c.value_dim), core, nullptr, scratch);
   mha::detail::attention_flash<T>(
       c.batch, c.heads, layout(q.data(), c.query_len, c.head_dim),
       layout(k.data(), total_keys, c.head_dim), layout(v.data(), total_keys, c.value_dim),
-      layout(flash.data(), c.query_len, c.value_dim), core, {c.query_block, c.key_block});
+      layout(flash.data(), c.query_len, c.value_dim), core, scratch, {c.query_block, c.key_block});
   INFO("B " << c.batch << " H " << c.heads << " L " << c.query_len << " S " << c.key_len << "+"
             << c.extra_keys << " D " << c.head_dim << " Dv " << c.value_dim << " attn "
             << mha::mask_kind_name(c.attn_kind) << (c.per_head_mask ? " per head" : "")
@@ -104,6 +106,7 @@ TEMPLATE_TEST_CASE("flash equals reference for random options and tiny blocks", 
   const auto pick = [&](Index low, Index high) {
     return low + static_cast<Index>(random.uniform() * static_cast<double>(high - low + 1));
   };
+  std::vector<mha::detail::KernelScratch<TestType>> scratch;
   for (int trial = 0; trial < 300; ++trial) {
     Case c{};
     c.batch = pick(1, 2);
@@ -119,7 +122,7 @@ TEMPLATE_TEST_CASE("flash equals reference for random options and tiny blocks", 
     c.causal = causals[pick(0, 2)];
     c.query_block = pick(1, 8);
     c.key_block = pick(1, 8);
-    check_case<TestType>(c, 1000 + static_cast<std::uint64_t>(trial));
+    check_case<TestType>(c, 1000 + static_cast<std::uint64_t>(trial), scratch);
   }
 }
 

@@ -345,3 +345,43 @@ TEMPLATE_TEST_CASE("self-attention's fused QKV projection equals separate projec
     CHECK_TENSORS_CLOSE(fused.attn_weights, separate.attn_weights);
   }
 }
+
+TEMPLATE_TEST_CASE("a reused workspace gives the same results and keeps its buffers",
+                   "[mha][workspace]", float, double) {
+  using T = TestType;
+  MultiHeadAttentionConfig config(16, 4);
+  config.add_zero_attn = true;
+  const auto layer = random_layer<T>(config, 900);
+  mha::Workspace<T> workspace;
+  mha::ForwardResult<T> result;
+  // Shapes, kernels and options change from call to call; each result must equal a fresh call.
+  for (int call = 0; call < 12; ++call) {
+    const Index L = call % 3 == 2 ? 9 : 20;
+    const bool batched = call % 4 != 3;
+    auto x = mha_test::random_tensor<T>({2, L, 16}, 40 + static_cast<std::uint64_t>(call));
+    mha::ForwardOptions<T> options;
+    options.need_weights = call % 2 == 0;
+    options.average_attn_weights = call % 4 == 0;
+    options.is_causal = call % 3 == 0;
+    const mha::TensorView<const T> input = batched ? x.view() : mha::TensorView<const T>(x[0]);
+    layer.forward(input, input, input, options, workspace, result);
+    const auto fresh = layer.forward(input, input, input, options);
+    INFO("call " << call);
+    CHECK(result.output.shape() == fresh.output.shape());
+    CHECK(result.output.flat() == fresh.output.flat());
+    CHECK(result.attn_weights.shape() == fresh.attn_weights.shape());
+    CHECK(result.attn_weights.flat() == fresh.attn_weights.flat());
+  }
+  // The same shapes again: the buffers stay where they are (nothing was reallocated).
+  const auto x = mha_test::random_tensor<T>({2, 20, 16}, 99);
+  mha::ForwardOptions<T> options;
+  options.need_weights = false;
+  layer.forward(x, x, x, options, workspace, result);
+  const T* output = result.output.data();
+  const T* projected = workspace.qkv.data() != nullptr ? workspace.qkv.data() : workspace.q.data();
+  const T* attended = workspace.attended.data();
+  layer.forward(x, x, x, options, workspace, result);
+  CHECK(result.output.data() == output);
+  CHECK((workspace.qkv.data() != nullptr ? workspace.qkv.data() : workspace.q.data()) == projected);
+  CHECK(workspace.attended.data() == attended);
+}

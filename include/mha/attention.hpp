@@ -51,11 +51,11 @@ inline Kernel resolve_kernel(Kernel requested, bool need_weights) {
 template <class T>
 void attention(Kernel kernel, Index batch, Index heads, const HeadLayout<const T>& q,
                const HeadLayout<const T>& k, const HeadLayout<const T>& v, const HeadLayout<T>& out,
-               const CoreOptions<T>& options, T* weights) {
+               const CoreOptions<T>& options, T* weights, std::vector<KernelScratch<T>>& scratch) {
   if (kernel == Kernel::flash) {
-    attention_flash<T>(batch, heads, q, k, v, out, options);
+    attention_flash<T>(batch, heads, q, k, v, out, options, scratch);
   } else {
-    attention_reference<T>(batch, heads, q, k, v, out, options, weights);
+    attention_reference<T>(batch, heads, q, k, v, out, options, weights, scratch);
   }
 }
 
@@ -128,12 +128,13 @@ AttentionResult<T> scaled_dot_product_attention(TensorView<const T> query, Tenso
     result.weights = Tensor<T>(weights_shape);
   }
   const Kernel kernel = detail::resolve_kernel(options.kernel, options.need_weights);
+  std::vector<detail::KernelScratch<T>> scratch;
   detail::attention<T>(kernel, batch, heads,
                        detail::contiguous_heads(query.data(), heads, query_len, head_dim),
                        detail::contiguous_heads(key.data(), heads, key_len, head_dim),
                        detail::contiguous_heads(value.data(), heads, key_len, value_dim),
                        detail::contiguous_heads(result.output.data(), heads, query_len, value_dim),
-                       core, options.need_weights ? result.weights.data() : nullptr);
+                       core, options.need_weights ? result.weights.data() : nullptr, scratch);
   return result;
 }
 

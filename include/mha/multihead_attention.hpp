@@ -76,6 +76,17 @@ struct ForwardResult {
   Tensor<T> attn_weights;  // see ForwardOptions::average_attn_weights; empty unless need_weights
 };
 
+// Buffers a forward call needs besides its result. Pass the same Workspace (and result) to
+// repeated forward calls with the same shapes and they allocate no tensor memory. A Workspace
+// belongs to one calling thread at a time; the layer itself may be shared.
+template <class T>
+struct Workspace {
+  Matrix<T> qkv, q, k, v;  // projections: fused [B*L, 3E], or q [B*L, E], k and v [B*S', E]
+  Matrix<T> attended;      // the heads' outputs side by side, [B*L, E]
+  Tensor<T> per_head_weights;
+  std::vector<detail::KernelScratch<T>> kernel;  // one per thread
+};
+
 template <class T>
 class MultiHeadAttention {
  public:
@@ -248,6 +259,17 @@ class MultiHeadAttention {
   // [S, vdim]. See ForwardOptions for the masks and what is returned.
   ForwardResult<T> forward(TensorView<const T> query, TensorView<const T> key,
                            TensorView<const T> value, const ForwardOptions<T>& options = {}) const {
+    Workspace<T> workspace;
+    ForwardResult<T> result;
+    forward(query, key, value, options, workspace, result);
+    return result;
+  }
+
+  // The same, writing into `result` and using `workspace` for its buffers: with the same shapes
+  // as the previous call, neither allocates.
+  void forward(TensorView<const T> query, TensorView<const T> key, TensorView<const T> value,
+               const ForwardOptions<T>& options, Workspace<T>& workspace,
+               ForwardResult<T>& result) const {
     const Index embed = config_.embed_dim, heads = config_.num_heads;
     const bool batched = query.rank() == 3;
     if (!batched && query.rank() != 2) {
@@ -285,12 +307,12 @@ class MultiHeadAttention {
     const bool fused = packed_projection() && !config_.add_bias_kv && !config_.add_zero_attn &&
                        query.data() == key.data() && key.data() == value.data() &&
                        query.shape() == key.shape() && key.shape() == value.shape();
-    Matrix<T> qkv, q, k, v;
     const T* q_data;
     const T* k_data;
     const T* v_data;
     Index q_stride = embed, kv_stride = embed;
     if (fused) {
+      Matrix<T>& qkv = workspace.qkv;
       qkv.resize(batch * query_len, 3 * embed);
       qkv.noalias() = query.matrix() * in_proj_weight_.matrix().transpose();
       if (config_.bias) qkv.rowwise() += in_proj_bias_.flat().transpose();
@@ -300,49 +322,51 @@ class MultiHeadAttention {
       q_stride = kv_stride = 3 * embed;
     } else {
       // q [B*L, E]; k, v [B*S', E] with the extra rows after each batch's S projected rows.
-      q.resize(batch * query_len, embed);
-      q.noalias() = query.matrix() * weight_rows(0).transpose();
-      add_bias(q, 0);
-      k = project_keys(key, 1, batch, key_len, total_keys, bias_k_);
-      v = project_keys(value, 2, batch, key_len, total_keys, bias_v_);
-      q_data = q.data();
-      k_data = k.data();
-      v_data = v.data();
+      workspace.q.resize(batch * query_len, embed);
+      workspace.q.noalias() = query.matrix() * weight_rows(0).transpose();
+      add_bias(workspace.q, 0);
+      project_keys(key, 1, batch, key_len, total_keys, bias_k_, workspace.k);
+      project_keys(value, 2, batch, key_len, total_keys, bias_v_, workspace.v);
+      q_data = workspace.q.data();
+      k_data = workspace.k.data();
+      v_data = workspace.v.data();
     }
 
-    Matrix<T> attended(batch * query_len, embed);
-    Tensor<T> per_head_weights;
-    if (options.need_weights) per_head_weights = Tensor<T>({batch, heads, query_len, total_keys});
+    // Per-head weights go straight into the result unless they are to be averaged.
+    Tensor<T>& per_head_weights = options.need_weights && !options.average_attn_weights
+                                      ? result.attn_weights
+                                      : workspace.per_head_weights;
+    if (options.need_weights) per_head_weights.resize({batch, heads, query_len, total_keys});
+    workspace.attended.resize(batch * query_len, embed);
     // Head h of batch b: rows b*rows.., columns h*D.. of a buffer whose rows are `stride` apart.
     const auto heads_of = [&](auto* data, Index rows, Index stride) {
       using Element = std::remove_pointer_t<decltype(data)>;
       return detail::HeadLayout<Element>{data, rows * stride, head_dim, stride, rows, head_dim};
     };
     const Kernel kernel = detail::resolve_kernel(options.kernel, options.need_weights);
-    detail::attention<T>(kernel, batch, heads, heads_of(q_data, query_len, q_stride),
-                         heads_of(k_data, total_keys, kv_stride),
-                         heads_of(v_data, total_keys, kv_stride),
-                         heads_of(attended.data(), query_len, embed), core,
-                         options.need_weights ? per_head_weights.data() : nullptr);
+    detail::attention<T>(
+        kernel, batch, heads, heads_of(q_data, query_len, q_stride),
+        heads_of(k_data, total_keys, kv_stride), heads_of(v_data, total_keys, kv_stride),
+        heads_of(workspace.attended.data(), query_len, embed), core,
+        options.need_weights ? per_head_weights.data() : nullptr, workspace.kernel);
 
-    ForwardResult<T> result;
-    result.output = Tensor<T>(query_shape);
+    result.output.resize(query_shape);
     auto output = result.output.matrix();
-    output.noalias() = attended * out_proj_weight_.matrix().transpose();
+    output.noalias() = workspace.attended * out_proj_weight_.matrix().transpose();
     if (config_.bias) output.rowwise() += out_proj_bias_.flat().transpose();
 
-    if (options.need_weights) {
-      if (options.average_attn_weights) {
-        result.attn_weights = average_over_heads(per_head_weights);
-      } else {
-        result.attn_weights = std::move(per_head_weights);
-      }
-      if (!batched) {
-        Shape unbatched(result.attn_weights.shape().begin() + 1, result.attn_weights.shape().end());
-        result.attn_weights.reshape(unbatched);
-      }
+    if (!options.need_weights) {
+      result.attn_weights = Tensor<T>();
+      return;
     }
-    return result;
+    if (options.average_attn_weights) {
+      average_over_heads(per_head_weights, result.attn_weights);
+    }
+    if (!batched) {
+      // Drop the batch axis of size 1: [1, ...] -> [...].
+      Shape unbatched(result.attn_weights.shape().begin() + 1, result.attn_weights.shape().end());
+      result.attn_weights.reshape(std::move(unbatched));
+    }
   }
 
   // Self-attention: query, key and value are all x.
@@ -406,16 +430,16 @@ class MultiHeadAttention {
 
   // input [B, S, width] (or [S, width]) projected into [B*S', E]: for each batch its S rows, then
   // bias_k/bias_v (add_bias_kv), then a zero row (add_zero_attn).
-  Matrix<T> project_keys(TensorView<const T> input, int which, Index batch, Index key_len,
-                         Index total_keys, const Tensor<T>& extra_row) const {
+  void project_keys(TensorView<const T> input, int which, Index batch, Index key_len,
+                    Index total_keys, const Tensor<T>& extra_row, Matrix<T>& projected) const {
     const Index embed = config_.embed_dim;
     const Index width = input.dim(input.rank() - 1);
-    Matrix<T> projected(batch * total_keys, embed);
+    projected.resize(batch * total_keys, embed);
     const auto weight = weight_rows(which);
     if (total_keys == key_len) {  // no extra rows: one GEMM over every batch
       projected.noalias() = input.matrix() * weight.transpose();
       add_bias(projected, which);
-      return projected;
+      return;
     }
     for (Index b = 0; b < batch; ++b) {
       auto rows = projected.middleRows(b * total_keys, key_len);
@@ -427,7 +451,6 @@ class MultiHeadAttention {
       if (config_.add_bias_kv) projected.row(next++) = extra_row.flat().transpose();
       if (config_.add_zero_attn) projected.row(next).setZero();
     }
-    return projected;
   }
 
   // attn_mask [L, S] shared, or [B*H, L, S] ([H, L, S] unbatched) indexed by b*H + h.
@@ -461,16 +484,16 @@ class MultiHeadAttention {
   }
 
   // [B, H, L, S'] -> [B, L, S'], the mean over heads.
-  Tensor<T> average_over_heads(const Tensor<T>& per_head) const {
+  void average_over_heads(const Tensor<T>& per_head, Tensor<T>& averaged) const {
     const Index batch = per_head.dim(0), heads = per_head.dim(1);
     const Index rows = per_head.dim(2), cols = per_head.dim(3);
-    Tensor<T> averaged({batch, rows, cols});
+    averaged.resize({batch, rows, cols});
     for (Index b = 0; b < batch; ++b) {
       auto sum = averaged[b].matrix();
+      sum.setZero();
       for (Index h = 0; h < heads; ++h) sum += per_head[b][h].matrix();
       sum /= static_cast<T>(heads);
     }
-    return averaged;
   }
 
   MultiHeadAttentionConfig config_;

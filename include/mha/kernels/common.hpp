@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "mha/mask.hpp"
 #include "mha/tensor.hpp"
@@ -12,6 +13,7 @@
 // OpenMP when the compiler has it enabled (-fopenmp, CMake option MHA_USE_OPENMP); without it
 // the kernels run serially and the pragmas vanish (no -Wunknown-pragmas).
 #ifdef _OPENMP
+#include <omp.h>
 #define MHA_OMP_PRAGMA(x) _Pragma(#x)
 #else
 #define MHA_OMP_PRAGMA(x)
@@ -79,6 +81,41 @@ struct CoreOptions {
   Index causal_cols = 0;
   T scale = T(1);
 };
+
+// The threads a parallel region of the kernels may use, and this thread's index in it.
+inline int max_threads() {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+inline int thread_index() {
+#ifdef _OPENMP
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+
+// One thread's buffers for a kernel: the score tile (or, for the reference kernel, the whole
+// [L, S'] scores), and for the flash kernel the accumulator and the running max and sum. Kept in
+// a Workspace across calls, so that repeated calls of the same shapes allocate nothing.
+template <class T>
+struct KernelScratch {
+  Matrix<T> scores;
+  Matrix<T> acc;
+  Vector<T> row_max, row_sum;
+  RowVector<T> exps;
+};
+
+// One KernelScratch per thread that the next parallel region can have.
+template <class T>
+std::vector<KernelScratch<T>>& scratch_for_threads(std::vector<KernelScratch<T>>& scratch) {
+  const auto threads = static_cast<std::size_t>(max_threads());
+  if (scratch.size() < threads) scratch.resize(threads);
+  return scratch;
+}
 
 }  // namespace detail
 }  // namespace mha

@@ -36,7 +36,7 @@ template <class T>
 void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
                      const HeadLayout<const T>& k, const HeadLayout<const T>& v,
                      const HeadLayout<T>& out, const CoreOptions<T>& options,
-                     const FlashBlocks& blocks = {}) {
+                     std::vector<KernelScratch<T>>& scratch, const FlashBlocks& blocks = {}) {
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
   const Index query_len = q.rows, key_len = k.rows, value_dim = v.cols;
   const Index masked_keys = options.causal_cols;  // keys [masked_keys, key_len) always visible
@@ -48,12 +48,20 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
 
   // Threads split (batch, head, query block) tasks; each task is computed whole by one thread
   // with the same arithmetic, so results do not depend on the number of threads.
+  scratch_for_threads(scratch);
   MHA_OMP_PRAGMA(omp parallel if (tasks > 1)) {
-    // Per-thread workspace, allocated once per call, never inside the task loop.
-    Matrix<T> tile(blocks.query, blocks.key);
-    Matrix<T> acc(blocks.query, value_dim);
-    Vector<T> row_max(blocks.query), row_sum(blocks.query);
-    RowVector<T> scratch(blocks.key);
+    // This thread's buffers: resized only when the shapes change, never inside the task loop.
+    KernelScratch<T>& mine = scratch[static_cast<std::size_t>(thread_index())];
+    mine.scores.resize(blocks.query, blocks.key);
+    mine.acc.resize(blocks.query, value_dim);
+    mine.row_max.resize(blocks.query);
+    mine.row_sum.resize(blocks.query);
+    mine.exps.resize(blocks.key);
+    Matrix<T>& tile = mine.scores;
+    Matrix<T>& acc = mine.acc;
+    Vector<T>& row_max = mine.row_max;
+    Vector<T>& row_sum = mine.row_sum;
+    RowVector<T>& exps = mine.exps;
 
     // Causal rows of later blocks see more keys: dynamic scheduling balances them.
     MHA_OMP_PRAGMA(omp for schedule(dynamic))
@@ -102,7 +110,7 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
               acc_blk.row(r) *= correction;
               row_max(r) = block_max;
             }
-            row_sum(r) += exp_shifted_inplace(score_row, row_max(r), scratch);
+            row_sum(r) += exp_shifted_inplace(score_row, row_max(r), exps);
           }
           acc_blk.noalias() += s * v_bh.middleRows(j0, cols);
         };

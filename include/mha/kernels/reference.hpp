@@ -15,14 +15,19 @@ namespace detail {
 template <class T>
 void attention_reference(Index batch, Index heads, const HeadLayout<const T>& q,
                          const HeadLayout<const T>& k, const HeadLayout<const T>& v,
-                         const HeadLayout<T>& out, const CoreOptions<T>& options, T* weights) {
+                         const HeadLayout<T>& out, const CoreOptions<T>& options, T* weights,
+                         std::vector<KernelScratch<T>>& scratch) {
   const Index query_len = q.rows, key_len = k.rows;
   const Index tasks = batch * heads;
   // One (batch, head) per task, computed whole by one thread: results do not depend on the
   // number of threads.
+  scratch_for_threads(scratch);
   MHA_OMP_PRAGMA(omp parallel if (tasks > 1)) {
-    Matrix<T> scores(query_len, key_len);  // per thread, allocated once per call
-    RowVector<T> scratch(key_len);
+    // This thread's buffers: resized only when the shapes change.
+    KernelScratch<T>& mine = scratch[static_cast<std::size_t>(thread_index())];
+    mine.scores.resize(query_len, key_len);
+    mine.exps.resize(key_len);
+    Matrix<T>& scores = mine.scores;
     MHA_OMP_PRAGMA(omp for schedule(static))
     for (Index task = 0; task < tasks; ++task) {
       const Index b = task / heads, h = task % heads;
@@ -32,7 +37,7 @@ void attention_reference(Index batch, Index heads, const HeadLayout<const T>& q,
       options.key_padding_mask.apply(b, h, 0, 0, scores);
       apply_causal(options.causal, options.causal_cols, query_len, 0, 0, scores);
       // pass 2: probabilities, then their weighted sum of values
-      softmax_rows_inplace(scores, scratch);
+      softmax_rows_inplace(scores, mine.exps);
       auto out_bh = out.at(b, h);
       out_bh.noalias() = scores * v.at(b, h);
       if (weights != nullptr) {
