@@ -378,10 +378,10 @@ TEMPLATE_TEST_CASE("a reused workspace gives the same results and keeps its buff
   options.need_weights = false;
   layer.forward(x, x, x, options, workspace, result);
   const T* output = result.output.data();
-  const T* projected = workspace.qkv.data() != nullptr ? workspace.qkv.data() : workspace.q.data();
+  const T* projected = workspace.q.data();  // add_zero_attn: q, k, v projected separately
   const T* attended = workspace.attended.data();
   layer.forward(x, x, x, options, workspace, result);
   CHECK(result.output.data() == output);
-  CHECK((workspace.qkv.data() != nullptr ? workspace.qkv.data() : workspace.q.data()) == projected);
+  CHECK(workspace.q.data() == projected);
   CHECK(workspace.attended.data() == attended);
 }

@@ -72,10 +72,11 @@ inline Index num_heads(const io::SafetensorsFile& file) {
   const std::string& text = it->second;
   const bool digits = !text.empty() && text.size() <= 9 &&
                       text.find_first_not_of("0123456789") == std::string::npos;
-  if (!digits || std::stol(text) == 0) {
+  const long value = digits ? std::stol(text) : 0;  // at most 9 digits: no overflow
+  if (value == 0) {
     throw ShapeError("metadata 'num_heads': expected a positive integer, got \"" + text + "\"");
   }
-  return static_cast<Index>(std::stol(text));
+  return static_cast<Index>(value);
 }
 
 // Inputs and float masks must have query's dtype: a mismatch is more likely an export mistake

@@ -103,6 +103,7 @@ AttentionResult<T> scaled_dot_product_attention(TensorView<const T> query, Tenso
   const Index batch = rank == 4 ? query.dim(0) : 1;
   const Index heads = rank >= 3 ? query.dim(rank - 3) : 1;
 
+  const Kernel kernel = detail::resolve_kernel(options.kernel, options.need_weights);
   detail::CoreOptions<T> core;
   core.scale = options.scale ? *options.scale : T(1) / std::sqrt(static_cast<T>(head_dim));
   if (!std::isfinite(core.scale)) {
@@ -127,7 +128,6 @@ AttentionResult<T> scaled_dot_product_attention(TensorView<const T> query, Tenso
     weights_shape.push_back(key_len);
     result.weights = Tensor<T>(weights_shape);
   }
-  const Kernel kernel = detail::resolve_kernel(options.kernel, options.need_weights);
   std::vector<detail::KernelScratch<T>> scratch;
   detail::attention<T>(kernel, batch, heads,
                        detail::contiguous_heads(query.data(), heads, query_len, head_dim),

@@ -295,6 +295,8 @@ class MultiHeadAttention {
         key_len + (config_.add_bias_kv ? 1 : 0) + (config_.add_zero_attn ? 1 : 0);
     const Index head_dim = embed / heads;
 
+    // Refused combinations fail before any projection is computed.
+    const Kernel kernel = detail::resolve_kernel(options.kernel, options.need_weights);
     detail::CoreOptions<T> core;
     core.scale = T(1) / std::sqrt(static_cast<T>(head_dim));
     core.attn_mask = attn_mask_layout(options.attn_mask, batched, batch, query_len, key_len);
@@ -343,7 +345,6 @@ class MultiHeadAttention {
       using Element = std::remove_pointer_t<decltype(data)>;
       return detail::HeadLayout<Element>{data, rows * stride, head_dim, stride, rows, head_dim};
     };
-    const Kernel kernel = detail::resolve_kernel(options.kernel, options.need_weights);
     detail::attention<T>(
         kernel, batch, heads, heads_of(q_data, query_len, q_stride),
         heads_of(k_data, total_keys, kv_stride), heads_of(v_data, total_keys, kv_stride),

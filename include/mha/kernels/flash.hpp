@@ -73,70 +73,68 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
       const auto k_bh = k.at(b, h);
       const auto v_bh = v.at(b, h);
       auto out_bh = out.at(b, h);
-      {
-        const Index rows = std::min(blocks.query, query_len - i0);
-        auto acc_blk = acc.topRows(rows);
-        acc_blk.setZero();
-        row_max.head(rows).setConstant(kNegInf);
-        row_sum.head(rows).setZero();
-        // Causal masking hides every key from causal_visible_end(last row) on from this block.
-        const Index visible_end =
-            causal_visible_end(options.causal, masked_keys, query_len, i0 + rows - 1);
+      const Index rows = std::min(blocks.query, query_len - i0);
+      auto acc_blk = acc.topRows(rows);
+      acc_blk.setZero();
+      row_max.head(rows).setConstant(kNegInf);
+      row_sum.head(rows).setZero();
+      // Causal masking hides every key from causal_visible_end(last row) on from this block.
+      const Index visible_end =
+          causal_visible_end(options.causal, masked_keys, query_len, i0 + rows - 1);
 
-        const auto process = [&](Index j0, Index cols) {
-          auto s = tile.topLeftCorner(rows, cols);
-          // pass 1: masks first, so a block they hide wholly costs no GEMM
-          s.setZero();
-          const bool masked_tile = any_mask && j0 < masked_keys;
-          if (masked_tile) {
-            options.attn_mask.apply(b, h, i0, j0, s);
-            options.key_padding_mask.apply(b, h, i0, j0, s);
-            apply_causal(options.causal, masked_keys, query_len, i0, j0, s);
-            if ((s.array() == kNegInf).all()) return;
-          }
-          s.noalias() +=
-              options.scale * (q_bh.middleRows(i0, rows) * k_bh.middleRows(j0, cols).transpose());
-          // pass 2: online softmax, one row at a time
-          for (Index r = 0; r < rows; ++r) {
-            auto score_row = s.row(r);
-            const T block_max = score_row.maxCoeff();
-            if (block_max == kNegInf) {  // nothing visible in this block for this row
-              score_row.setZero();
-              continue;
-            }
-            if (block_max > row_max(r)) {
-              // exp(-inf) is 0: a row's first visible block just starts the sums.
-              const T correction = row_max(r) == kNegInf ? T(0) : std::exp(row_max(r) - block_max);
-              row_sum(r) *= correction;
-              acc_blk.row(r) *= correction;
-              row_max(r) = block_max;
-            }
-            if (masked_tile) {
-              row_sum(r) += exp_shifted_inplace(score_row, row_max(r), exps);
-            } else {
-              // No -inf in an unmasked tile: exp in place, two passes instead of five.
-              score_row.array() = (score_row.array() - row_max(r)).exp();
-              row_sum(r) += score_row.sum();
-            }
-          }
-          acc_blk.noalias() += s * v_bh.middleRows(j0, cols);
-        };
-
-        for (Index j0 = 0; j0 < visible_end; j0 += blocks.key) {
-          process(j0, std::min(blocks.key, visible_end - j0));
+      const auto process = [&](Index j0, Index cols) {
+        auto s = tile.topLeftCorner(rows, cols);
+        // pass 1: masks first, so a block they hide wholly costs no GEMM
+        s.setZero();
+        const bool masked_tile = any_mask && j0 < masked_keys;
+        if (masked_tile) {
+          options.attn_mask.apply(b, h, i0, j0, s);
+          options.key_padding_mask.apply(b, h, i0, j0, s);
+          apply_causal(options.causal, masked_keys, query_len, i0, j0, s);
+          if ((s.array() == kNegInf).all()) return;
         }
-        for (Index j0 = masked_keys; j0 < key_len; j0 += blocks.key) {
-          process(j0, std::min(blocks.key, key_len - j0));
-        }
-
-        // One division per row at the end; a row with no visible key stays 0.
+        s.noalias() +=
+            options.scale * (q_bh.middleRows(i0, rows) * k_bh.middleRows(j0, cols).transpose());
+        // pass 2: online softmax, one row at a time
         for (Index r = 0; r < rows; ++r) {
-          auto out_row = out_bh.row(i0 + r);
-          if (row_sum(r) > T(0)) {
-            out_row.noalias() = acc_blk.row(r) / row_sum(r);
-          } else {
-            out_row.setZero();
+          auto score_row = s.row(r);
+          const T block_max = score_row.maxCoeff();
+          if (block_max == kNegInf) {  // nothing visible in this block for this row
+            score_row.setZero();
+            continue;
           }
+          if (block_max > row_max(r)) {
+            // exp(-inf) is 0: a row's first visible block just starts the sums.
+            const T correction = row_max(r) == kNegInf ? T(0) : std::exp(row_max(r) - block_max);
+            row_sum(r) *= correction;
+            acc_blk.row(r) *= correction;
+            row_max(r) = block_max;
+          }
+          if (masked_tile) {
+            row_sum(r) += exp_shifted_inplace(score_row, row_max(r), exps);
+          } else {
+            // No -inf in an unmasked tile: exp in place, two passes instead of five.
+            score_row.array() = (score_row.array() - row_max(r)).exp();
+            row_sum(r) += score_row.sum();
+          }
+        }
+        acc_blk.noalias() += s * v_bh.middleRows(j0, cols);
+      };
+
+      for (Index j0 = 0; j0 < visible_end; j0 += blocks.key) {
+        process(j0, std::min(blocks.key, visible_end - j0));
+      }
+      for (Index j0 = masked_keys; j0 < key_len; j0 += blocks.key) {
+        process(j0, std::min(blocks.key, key_len - j0));
+      }
+
+      // One division per row at the end; a row with no visible key stays 0.
+      for (Index r = 0; r < rows; ++r) {
+        auto out_row = out_bh.row(i0 + r);
+        if (row_sum(r) > T(0)) {
+          out_row.noalias() = acc_blk.row(r) / row_sum(r);
+        } else {
+          out_row.setZero();
         }
       }
     }
