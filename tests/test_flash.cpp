@@ -84,7 +84,8 @@ void check_case(const Case& c, std::uint64_t seed,
   mha::detail::attention_flash<T>(
       c.batch, c.heads, layout(q.data(), c.query_len, c.head_dim),
       layout(k.data(), total_keys, c.head_dim), layout(v.data(), total_keys, c.value_dim),
-      layout(flash.data(), c.query_len, c.value_dim), core, scratch, {c.query_block, c.key_block});
+      layout(flash.data(), c.query_len, c.value_dim), core, scratch, nullptr,
+      {c.query_block, c.key_block});
   INFO("B " << c.batch << " H " << c.heads << " L " << c.query_len << " S " << c.key_len << "+"
             << c.extra_keys << " D " << c.head_dim << " Dv " << c.value_dim << " attn "
             << mha::mask_kind_name(c.attn_kind) << (c.per_head_mask ? " per head" : "")

@@ -3,11 +3,12 @@
 //   Kernel::reference  stores each head's [L, S] scores; the only one that returns weights
 //   Kernel::flash      tiles queries × keys with an online softmax; memory O(block² + block·D)
 //   Kernel::automatic  flash unless weights are requested
-// Both give the same results within float rounding. The layer class composes them with the
-// projections.
+// Both give the same results within float rounding, and each has its backward pass
+// (scaled_dot_product_attention_backward). The layer class composes them with the projections.
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <optional>
 #include <string>
@@ -47,15 +48,40 @@ inline Kernel resolve_kernel(Kernel requested, bool need_weights) {
   return requested;
 }
 
-// Runs the chosen kernel over (B, H) heads; weights as in attention_reference.
+// Runs the chosen kernel over (B, H) heads; weights as in attention_reference, logsumexp (for
+// the flash backward) as in attention_flash.
 template <class T>
 void attention(Kernel kernel, Index batch, Index heads, const HeadLayout<const T>& q,
                const HeadLayout<const T>& k, const HeadLayout<const T>& v, const HeadLayout<T>& out,
-               const CoreOptions<T>& options, T* weights, std::vector<KernelScratch<T>>& scratch) {
+               const CoreOptions<T>& options, T* weights, std::vector<KernelScratch<T>>& scratch,
+               T* logsumexp = nullptr) {
   if (kernel == Kernel::flash) {
-    attention_flash<T>(batch, heads, q, k, v, out, options, scratch);
+    attention_flash<T>(batch, heads, q, k, v, out, options, scratch, logsumexp);
   } else {
     attention_reference<T>(batch, heads, q, k, v, out, options, weights, scratch);
+  }
+}
+
+// The backward of the kernel that ran forward; the flash one needs its logsumexp.
+template <class T>
+void attention_backward(Kernel kernel, Index batch, Index heads, const HeadLayout<const T>& q,
+                        const HeadLayout<const T>& k, const HeadLayout<const T>& v,
+                        const HeadLayout<const T>& out, const HeadLayout<const T>& grad_out,
+                        const T* logsumexp, const HeadLayout<T>& grad_q,
+                        const HeadLayout<T>& grad_k, const HeadLayout<T>& grad_v,
+                        const CoreOptions<T>& options, std::vector<KernelScratch<T>>& scratch) {
+  if (kernel == Kernel::flash) {
+    attention_flash_backward<T>(batch, heads, q, k, v, out, grad_out, logsumexp, grad_q, grad_k,
+                                grad_v, options, scratch);
+  } else {
+    attention_reference_backward<T>(batch, heads, q, k, v, grad_out, grad_q, grad_k, grad_v,
+                                    options, scratch);
+  }
+}
+
+inline void check_dropout(double p) {
+  if (!(p >= 0 && p <= 1)) {
+    throw_argument("dropout", "must be in [0, 1], got " + std::to_string(p));
   }
 }
 
@@ -70,13 +96,93 @@ struct AttentionOptions {
   std::optional<T> scale;
   bool need_weights = false;
   Kernel kernel = Kernel::automatic;
+  // SDPA's dropout_p, applied to the weights whenever it is > 0; the same seed drops the same
+  // weights in both kernels and in the backward.
+  double dropout = 0;
+  std::uint64_t dropout_seed = 0;
 };
 
 template <class T>
 struct AttentionResult {
-  Tensor<T> output;   // [..., L, Dv], the leading axes of query
-  Tensor<T> weights;  // [..., L, S] when need_weights, else empty
+  Tensor<T> output;     // [..., L, Dv], the leading axes of query
+  Tensor<T> weights;    // [..., L, S] when need_weights, else empty
+  Tensor<T> logsumexp;  // [..., L] from the flash kernel (what its backward needs), else empty
 };
+
+template <class T>
+struct AttentionGradients {
+  Tensor<T> query, key, value;  // the shapes of the inputs
+};
+
+namespace detail {
+
+// The checked shapes of a scaled_dot_product_attention call and the kernel options they imply.
+template <class T>
+struct AttentionProblem {
+  Shape leading;  // zero, one (H) or two (B, H) axes
+  Index batch = 1, heads = 1, query_len = 0, key_len = 0, head_dim = 0, value_dim = 0;
+  Kernel kernel = Kernel::automatic;
+  CoreOptions<T> core;
+
+  Shape shape(Index rows, Index cols) const {
+    Shape result = leading;
+    result.push_back(rows);
+    result.push_back(cols);
+    return result;
+  }
+  Shape logsumexp_shape() const {
+    Shape result = leading;
+    result.push_back(query_len);
+    return result;
+  }
+  HeadLayout<const T> heads_of(const T* data, Index rows, Index cols) const {
+    return contiguous_heads(data, heads, rows, cols);
+  }
+  HeadLayout<T> heads_of(T* data, Index rows, Index cols) const {
+    return contiguous_heads(data, heads, rows, cols);
+  }
+};
+
+template <class T>
+AttentionProblem<T> attention_problem(const TensorView<const T>& query,
+                                      const TensorView<const T>& key,
+                                      const TensorView<const T>& value,
+                                      const AttentionOptions<T>& options) {
+  AttentionProblem<T> problem;
+  const Index rank = query.rank();
+  if (rank < 2 || rank > 4)
+    throw_shape("query", "[L, D], [H, L, D] or [B, H, L, D]", query.shape());
+  problem.leading.assign(query.shape().begin(), query.shape().end() - 2);
+  problem.query_len = query.dim(rank - 2);
+  problem.head_dim = query.dim(rank - 1);
+  if (problem.head_dim == 0) throw_shape("query", "a head dimension D >= 1", query.shape());
+  check_shape("key", problem.shape(kAnyDim, problem.head_dim), key.shape());
+  problem.key_len = key.dim(rank - 2);
+  check_shape("value", problem.shape(problem.key_len, kAnyDim), value.shape());
+  problem.value_dim = value.dim(rank - 1);
+  problem.batch = rank == 4 ? query.dim(0) : 1;
+  problem.heads = rank >= 3 ? query.dim(rank - 3) : 1;
+
+  problem.kernel = resolve_kernel(options.kernel, options.need_weights);
+  check_dropout(options.dropout);
+  CoreOptions<T>& core = problem.core;
+  core.scale = options.scale ? *options.scale : T(1) / std::sqrt(static_cast<T>(problem.head_dim));
+  if (!std::isfinite(core.scale)) {
+    throw_argument("scale", "must be finite, got " + std::to_string(core.scale));
+  }
+  const std::string accepted =
+      "[L, S], [H, L, S] or [B, H, L, S] with L = " + std::to_string(problem.query_len) +
+      ", S = " + std::to_string(problem.key_len);
+  core.attn_mask = broadcast_mask_layout(options.mask, "mask", problem.batch, problem.heads,
+                                         problem.query_len, problem.key_len, accepted);
+  core.causal = options.causal;
+  core.causal_cols = problem.key_len;
+  core.dropout = {options.dropout, options.dropout_seed, problem.heads, problem.query_len,
+                  problem.key_len};
+  return problem;
+}
+
+}  // namespace detail
 
 // query is [..., L, D], key [..., S, D], value [..., S, Dv], where "..." is the same zero, one
 // (H) or two (B, H) leading axes for all three. Every head is computed independently.
@@ -84,57 +190,22 @@ template <class T>
 AttentionResult<T> scaled_dot_product_attention(TensorView<const T> query, TensorView<const T> key,
                                                 TensorView<const T> value,
                                                 const AttentionOptions<T>& options = {}) {
-  const Index rank = query.rank();
-  if (rank < 2 || rank > 4)
-    detail::throw_shape("query", "[L, D], [H, L, D] or [B, H, L, D]", query.shape());
-  const Shape leading(query.shape().begin(), query.shape().end() - 2);
-  const Index query_len = query.dim(rank - 2), head_dim = query.dim(rank - 1);
-  if (head_dim == 0) detail::throw_shape("query", "a head dimension D >= 1", query.shape());
-  Shape expected_key = leading;
-  expected_key.push_back(detail::kAnyDim);
-  expected_key.push_back(head_dim);
-  detail::check_shape("key", expected_key, key.shape());
-  const Index key_len = key.dim(rank - 2);
-  Shape expected_value = leading;
-  expected_value.push_back(key_len);
-  expected_value.push_back(detail::kAnyDim);
-  detail::check_shape("value", expected_value, value.shape());
-  const Index value_dim = value.dim(rank - 1);
-  const Index batch = rank == 4 ? query.dim(0) : 1;
-  const Index heads = rank >= 3 ? query.dim(rank - 3) : 1;
-
-  const Kernel kernel = detail::resolve_kernel(options.kernel, options.need_weights);
-  detail::CoreOptions<T> core;
-  core.scale = options.scale ? *options.scale : T(1) / std::sqrt(static_cast<T>(head_dim));
-  if (!std::isfinite(core.scale)) {
-    detail::throw_argument("scale", "must be finite, got " + std::to_string(core.scale));
-  }
-  const std::string accepted =
-      "[L, S], [H, L, S] or [B, H, L, S] with L = " + std::to_string(query_len) +
-      ", S = " + std::to_string(key_len);
-  core.attn_mask = detail::broadcast_mask_layout(options.mask, "mask", batch, heads, query_len,
-                                                 key_len, accepted);
-  core.causal = options.causal;
-  core.causal_cols = key_len;
-
-  Shape output_shape = leading;
-  output_shape.push_back(query_len);
-  output_shape.push_back(value_dim);
+  const auto problem = detail::attention_problem(query, key, value, options);
+  const Index query_len = problem.query_len, key_len = problem.key_len;
   AttentionResult<T> result;
-  result.output = Tensor<T>(output_shape);
-  if (options.need_weights) {
-    Shape weights_shape = leading;
-    weights_shape.push_back(query_len);
-    weights_shape.push_back(key_len);
-    result.weights = Tensor<T>(weights_shape);
+  result.output = Tensor<T>(problem.shape(query_len, problem.value_dim));
+  if (options.need_weights) result.weights = Tensor<T>(problem.shape(query_len, key_len));
+  if (problem.kernel == Kernel::flash) {
+    result.logsumexp = Tensor<T>(problem.logsumexp_shape());
   }
   std::vector<detail::KernelScratch<T>> scratch;
-  detail::attention<T>(kernel, batch, heads,
-                       detail::contiguous_heads(query.data(), heads, query_len, head_dim),
-                       detail::contiguous_heads(key.data(), heads, key_len, head_dim),
-                       detail::contiguous_heads(value.data(), heads, key_len, value_dim),
-                       detail::contiguous_heads(result.output.data(), heads, query_len, value_dim),
-                       core, options.need_weights ? result.weights.data() : nullptr, scratch);
+  detail::attention<T>(problem.kernel, problem.batch, problem.heads,
+                       problem.heads_of(query.data(), query_len, problem.head_dim),
+                       problem.heads_of(key.data(), key_len, problem.head_dim),
+                       problem.heads_of(value.data(), key_len, problem.value_dim),
+                       problem.heads_of(result.output.data(), query_len, problem.value_dim),
+                       problem.core, options.need_weights ? result.weights.data() : nullptr,
+                       scratch, result.logsumexp.data());
   return result;
 }
 
@@ -143,6 +214,41 @@ AttentionResult<T> scaled_dot_product_attention(const Tensor<T>& query, const Te
                                                 const Tensor<T>& value,
                                                 const AttentionOptions<T>& options = {}) {
   return scaled_dot_product_attention(query.view(), key.view(), value.view(), options);
+}
+
+// The gradients of loss = sum(result.output ∘ grad_output) with respect to query, key and value,
+// where result is what scaled_dot_product_attention returned for the same inputs and options
+// (the flash backward recomputes the weights from its logsumexp; the reference one from q and k).
+template <class T>
+AttentionGradients<T> scaled_dot_product_attention_backward(
+    TensorView<const T> query, TensorView<const T> key, TensorView<const T> value,
+    const AttentionResult<T>& result, TensorView<const T> grad_output,
+    const AttentionOptions<T>& options = {}) {
+  const auto problem = detail::attention_problem(query, key, value, options);
+  const Index query_len = problem.query_len, key_len = problem.key_len;
+  const Shape output_shape = problem.shape(query_len, problem.value_dim);
+  detail::check_shape("result.output", output_shape, result.output.shape());
+  detail::check_shape("grad_output", output_shape, grad_output.shape());
+  if (problem.kernel == Kernel::flash) {
+    detail::check_shape("result.logsumexp (from a flash forward)", problem.logsumexp_shape(),
+                        result.logsumexp.shape());
+  }
+  AttentionGradients<T> grads;
+  grads.query = Tensor<T>(query.shape());
+  grads.key = Tensor<T>(key.shape());
+  grads.value = Tensor<T>(value.shape());
+  std::vector<detail::KernelScratch<T>> scratch;
+  detail::attention_backward<T>(
+      problem.kernel, problem.batch, problem.heads,
+      problem.heads_of(query.data(), query_len, problem.head_dim),
+      problem.heads_of(key.data(), key_len, problem.head_dim),
+      problem.heads_of(value.data(), key_len, problem.value_dim),
+      problem.heads_of(result.output.data(), query_len, problem.value_dim),
+      problem.heads_of(grad_output.data(), query_len, problem.value_dim), result.logsumexp.data(),
+      problem.heads_of(grads.query.data(), query_len, problem.head_dim),
+      problem.heads_of(grads.key.data(), key_len, problem.head_dim),
+      problem.heads_of(grads.value.data(), key_len, problem.value_dim), problem.core, scratch);
+  return grads;
 }
 
 }  // namespace mha

@@ -11,6 +11,8 @@
 #include "mha/init.hpp"
 #include "mha/mask.hpp"
 #include "mha/multihead_attention.hpp"
+#include "mha/optim.hpp"
+#include "mha/parameters.hpp"
 #include "mha/softmax.hpp"
 #include "mha/tensor.hpp"
 #include "mha/version.hpp"

@@ -32,12 +32,35 @@
 #include "mha/attention.hpp"
 #include "mha/init.hpp"
 #include "mha/mask.hpp"
+#include "mha/parameters.hpp"
 #include "mha/tensor.hpp"
 
 namespace mha {
 
-// The constructor arguments of torch.nn.MultiheadAttention (dropout aside); kdim and vdim of 0
-// mean embed_dim. seed drives the default initialisation.
+namespace detail {
+
+// A layer's tensors under PyTorch's names: its parameters, or their gradients (same shapes).
+template <class T>
+struct ParameterSet {
+  Tensor<T> in_proj_weight, q_proj_weight, k_proj_weight, v_proj_weight;
+  Tensor<T> in_proj_bias, bias_k, bias_v;
+  Tensor<T> out_proj_weight, out_proj_bias;
+};
+
+// The checked shapes of one forward call, and what they decide.
+struct ForwardPlan {
+  bool batched = true;
+  bool fused = false;  // self-attention through one [E, 3E] projection
+  Index batch = 1, query_len = 0, key_len = 0, total_keys = 0;
+  Kernel kernel = Kernel::automatic;
+  Shape query_shape;  // also the output's
+};
+
+}  // namespace detail
+
+// The constructor arguments of torch.nn.MultiheadAttention; kdim and vdim of 0 mean embed_dim.
+// dropout is the probability of dropping an attention weight in forward_train (never in
+// forward, PyTorch's eval mode). seed drives the default initialisation and the dropout draws.
 struct MultiHeadAttentionConfig {
   Index embed_dim = 0;
   Index num_heads = 0;
@@ -46,6 +69,7 @@ struct MultiHeadAttentionConfig {
   bool add_zero_attn = false;
   Index kdim = 0;
   Index vdim = 0;
+  double dropout = 0;
   std::uint64_t seed = 0;
 
   MultiHeadAttentionConfig() = default;
@@ -88,6 +112,37 @@ struct Workspace {
 };
 
 template <class T>
+class MultiHeadAttention;
+
+// What backward needs from a forward_train: copies of the inputs and options, the projections,
+// the heads' outputs, the flash kernel's log-sum-exp and the dropout seed; and buffers for
+// backward. It belongs to one layer and one thread; reusing it for the next forward_train
+// reuses its buffers.
+template <class T>
+class SavedForward {
+ public:
+  // True once a forward_train has filled it.
+  bool filled() const { return layer_ != nullptr; }
+
+ private:
+  friend class MultiHeadAttention<T>;
+  const MultiHeadAttention<T>* layer_ = nullptr;
+  detail::ForwardPlan plan_;
+  ForwardOptions<T> options_;
+  detail::Dropout<T> dropout_;
+  Tensor<T> query_, key_, value_;  // key and value stay empty when fused (they were query)
+  Workspace<T> workspace_;         // projections and the heads' outputs, from the forward
+  Tensor<T> logsumexp_;            // (B, H, L), flash kernel only
+  Matrix<T> grad_attended_, grad_qkv_, grad_q_, grad_k_, grad_v_;
+};
+
+// d loss / d query, key and value, with the inputs' shapes.
+template <class T>
+struct InputGradients {
+  Tensor<T> query, key, value;
+};
+
+template <class T>
 class MultiHeadAttention {
  public:
   using Scalar = T;
@@ -114,25 +169,27 @@ class MultiHeadAttention {
                                               std::to_string(config_.kdim) + "/" +
                                               std::to_string(config_.vdim));
     }
+    detail::check_dropout(config_.dropout);
     if (config_.kdim == 0) config_.kdim = embed;
     if (config_.vdim == 0) config_.vdim = embed;
     if (packed_projection()) {
-      in_proj_weight_ = Tensor<T>({3 * embed, embed});
+      params_.in_proj_weight = Tensor<T>({3 * embed, embed});
     } else {
-      q_proj_weight_ = Tensor<T>({embed, embed});
-      k_proj_weight_ = Tensor<T>({embed, config_.kdim});
-      v_proj_weight_ = Tensor<T>({embed, config_.vdim});
+      params_.q_proj_weight = Tensor<T>({embed, embed});
+      params_.k_proj_weight = Tensor<T>({embed, config_.kdim});
+      params_.v_proj_weight = Tensor<T>({embed, config_.vdim});
     }
     if (config_.bias) {
-      in_proj_bias_ = Tensor<T>({3 * embed});
-      out_proj_bias_ = Tensor<T>({embed});
+      params_.in_proj_bias = Tensor<T>({3 * embed});
+      params_.out_proj_bias = Tensor<T>({embed});
     }
-    out_proj_weight_ = Tensor<T>({embed, embed});
+    params_.out_proj_weight = Tensor<T>({embed, embed});
     if (config_.add_bias_kv) {
-      bias_k_ = Tensor<T>({1, 1, embed});
-      bias_v_ = Tensor<T>({1, 1, embed});
+      params_.bias_k = Tensor<T>({1, 1, embed});
+      params_.bias_v = Tensor<T>({1, 1, embed});
     }
     reset_parameters(config_.seed);
+    seed_dropout(config_.seed);
   }
 
   // Builds a layer from PyTorch state_dict tensors. Which tensors are present decides bias,
@@ -178,21 +235,21 @@ class MultiHeadAttention {
     Random random(seed);
     const Index embed = config_.embed_dim;
     if (packed_projection()) {
-      xavier_uniform(in_proj_weight_, embed, 3 * embed, random);
+      xavier_uniform(params_.in_proj_weight, embed, 3 * embed, random);
     } else {
-      xavier_uniform(q_proj_weight_, embed, embed, random);
-      xavier_uniform(k_proj_weight_, config_.kdim, embed, random);
-      xavier_uniform(v_proj_weight_, config_.vdim, embed, random);
+      xavier_uniform(params_.q_proj_weight, embed, embed, random);
+      xavier_uniform(params_.k_proj_weight, config_.kdim, embed, random);
+      xavier_uniform(params_.v_proj_weight, config_.vdim, embed, random);
     }
-    linear_default_uniform(out_proj_weight_, embed, random);
+    linear_default_uniform(params_.out_proj_weight, embed, random);
     if (config_.bias) {
-      in_proj_bias_.flat().setZero();
-      out_proj_bias_.flat().setZero();
+      params_.in_proj_bias.flat().setZero();
+      params_.out_proj_bias.flat().setZero();
     }
     if (config_.add_bias_kv) {
       // A [1, 1, E] tensor has fan_in = fan_out = E for torch's fan computation.
-      xavier_normal(bias_k_, embed, embed, random);
-      xavier_normal(bias_v_, embed, embed, random);
+      xavier_normal(params_.bias_k, embed, embed, random);
+      xavier_normal(params_.bias_v, embed, embed, random);
     }
   }
 
@@ -256,7 +313,7 @@ class MultiHeadAttention {
   }
 
   // query [B, L, E], key [B, S, kdim], value [B, S, vdim]; or unbatched [L, E], [S, kdim],
-  // [S, vdim]. See ForwardOptions for the masks and what is returned.
+  // [S, vdim]. See ForwardOptions for the masks and what is returned. Evaluation mode: no dropout.
   ForwardResult<T> forward(TensorView<const T> query, TensorView<const T> key,
                            TensorView<const T> value, const ForwardOptions<T>& options = {}) const {
     Workspace<T> workspace;
@@ -270,54 +327,278 @@ class MultiHeadAttention {
   void forward(TensorView<const T> query, TensorView<const T> key, TensorView<const T> value,
                const ForwardOptions<T>& options, Workspace<T>& workspace,
                ForwardResult<T>& result) const {
-    const Index embed = config_.embed_dim, heads = config_.num_heads;
-    const bool batched = query.rank() == 3;
-    if (!batched && query.rank() != 2) {
+    const Plan plan = plan_forward(query, key, value, options);
+    const detail::CoreOptions<T> core = core_options(plan, options);
+    run_forward(plan, core, query, key, value, options, workspace, result, nullptr);
+  }
+
+  // Self-attention: query, key and value are all x.
+  ForwardResult<T> forward(TensorView<const T> x, const ForwardOptions<T>& options = {}) const {
+    return forward(x, x, x, options);
+  }
+
+  // ---- Training -------------------------------------------------------------------------------
+  //
+  //   SavedForward<T> saved;                                   // owned by the caller
+  //   auto result = layer.forward_train(q, k, v, options, saved);  // training mode: dropout
+  //   auto grads = layer.backward(saved, grad_output);         // d loss / d (q, k, v), and
+  //                                                            // d loss / d parameters added up
+  //   layer.gradient("in_proj_weight"); layer.parameters(); layer.zero_grad();
+  //
+  // forward_train copies its inputs and options into `saved`, so they may go away; `saved` must
+  // not outlive the layer, and the parameters must not change between the two calls (backward
+  // uses the saved activations and the current weights). Gradients accumulate over backward
+  // calls until zero_grad, as in PyTorch. One saved object serves any number of forward_train /
+  // backward pairs, reusing its buffers.
+
+  ForwardResult<T> forward_train(TensorView<const T> query, TensorView<const T> key,
+                                 TensorView<const T> value, const ForwardOptions<T>& options,
+                                 SavedForward<T>& saved) {
+    saved.layer_ = nullptr;  // unusable until this call succeeds
+    const Plan plan = plan_forward(query, key, value, options);
+    saved.options_ = options;  // the masks too: core's layouts point into this copy
+    detail::CoreOptions<T> core = core_options(plan, saved.options_);
+    if (config_.dropout > 0) {
+      core.dropout = {config_.dropout, dropout_random_.next_u64(), config_.num_heads,
+                      plan.query_len, plan.total_keys};
+    }
+    saved.query_ = Tensor<T>(query);
+    if (!plan.fused) {
+      saved.key_ = Tensor<T>(key);
+      saved.value_ = Tensor<T>(value);
+    }
+    if (plan.kernel == Kernel::flash) {
+      saved.logsumexp_.resize({plan.batch, config_.num_heads, plan.query_len});
+    }
+    ForwardResult<T> result;
+    const TensorView<const T> saved_query = saved.query_.view();
+    run_forward(plan, core, saved_query, plan.fused ? saved_query : saved.key_.view(),
+                plan.fused ? saved_query : saved.value_.view(), saved.options_, saved.workspace_,
+                result, plan.kernel == Kernel::flash ? saved.logsumexp_.data() : nullptr);
+    ensure_gradients();
+    saved.plan_ = plan;
+    saved.dropout_ = core.dropout;
+    saved.layer_ = this;
+    return result;
+  }
+
+  ForwardResult<T> forward_train(TensorView<const T> x, const ForwardOptions<T>& options,
+                                 SavedForward<T>& saved) {
+    return forward_train(x, x, x, options, saved);
+  }
+
+  // The gradients of loss = sum(output ∘ grad_output) for the forward_train that filled `saved`:
+  // returned for the inputs (reported separately for query, key and value even when they were
+  // one tensor; the shared tensor's gradient is their sum), and added into gradient(name) for
+  // every parameter.
+  InputGradients<T> backward(SavedForward<T>& saved, TensorView<const T> grad_output) {
+    if (saved.layer_ != this) {
+      detail::throw_argument("saved", saved.layer_ == nullptr
+                                          ? "holds no successful forward_train"
+                                          : "was filled by another layer's forward_train");
+    }
+    const Plan& plan = saved.plan_;
+    detail::check_shape("grad_output", plan.query_shape, grad_output.shape());
+    detail::CoreOptions<T> core = core_options(plan, saved.options_);
+    core.dropout = saved.dropout_;
+    const Index embed = config_.embed_dim, heads = config_.num_heads, head_dim = this->head_dim();
+    const Index rows = plan.batch * plan.query_len;
+    const Workspace<T>& forward = saved.workspace_;
+
+    // output = attended W_oᵀ + b_o
+    const auto grad_out = grad_output.matrix();
+    grads_.out_proj_weight.matrix().noalias() += grad_out.transpose() * forward.attended;
+    if (config_.bias) grads_.out_proj_bias.flat() += grad_out.colwise().sum().transpose();
+    Matrix<T>& grad_attended = saved.grad_attended_;
+    grad_attended.resize(rows, embed);
+    grad_attended.noalias() = grad_out * params_.out_proj_weight.matrix();
+
+    // the heads: gradients of q, k and v in buffers laid out as the forward's projections
+    const T* q_data;
+    const T* k_data;
+    const T* v_data;
+    T* grad_q_data;
+    T* grad_k_data;
+    T* grad_v_data;
+    Index q_stride = embed, kv_stride = embed;
+    if (plan.fused) {
+      saved.grad_qkv_.resize(rows, 3 * embed);
+      q_data = forward.qkv.data();
+      grad_q_data = saved.grad_qkv_.data();
+      k_data = q_data + embed;
+      v_data = q_data + 2 * embed;
+      grad_k_data = grad_q_data + embed;
+      grad_v_data = grad_q_data + 2 * embed;
+      q_stride = kv_stride = 3 * embed;
+    } else {
+      saved.grad_q_.resize(rows, embed);
+      saved.grad_k_.resize(plan.batch * plan.total_keys, embed);
+      saved.grad_v_.resize(plan.batch * plan.total_keys, embed);
+      q_data = forward.q.data();
+      k_data = forward.k.data();
+      v_data = forward.v.data();
+      grad_q_data = saved.grad_q_.data();
+      grad_k_data = saved.grad_k_.data();
+      grad_v_data = saved.grad_v_.data();
+    }
+    const auto heads_of = [&](auto* data, Index rows_per_batch, Index stride) {
+      using Element = std::remove_pointer_t<decltype(data)>;
+      return detail::HeadLayout<Element>{data,   rows_per_batch * stride, head_dim,
+                                         stride, rows_per_batch,          head_dim};
+    };
+    const T* attended = forward.attended.data();
+    const T* grad_attended_data = grad_attended.data();
+    detail::attention_backward<T>(
+        plan.kernel, plan.batch, heads, heads_of(q_data, plan.query_len, q_stride),
+        heads_of(k_data, plan.total_keys, kv_stride), heads_of(v_data, plan.total_keys, kv_stride),
+        heads_of(attended, plan.query_len, embed),
+        heads_of(grad_attended_data, plan.query_len, embed), saved.logsumexp_.data(),
+        heads_of(grad_q_data, plan.query_len, q_stride),
+        heads_of(grad_k_data, plan.total_keys, kv_stride),
+        heads_of(grad_v_data, plan.total_keys, kv_stride), core, saved.workspace_.kernel);
+
+    // the projections y = x Wᵀ + b: grad W += grad_yᵀ x, grad b += colsum(grad_y), grad x = grad_y
+    // W
+    InputGradients<T> grads;
+    grads.query = Tensor<T>(saved.query_.shape());
+    grads.key = Tensor<T>(plan.fused ? saved.query_.shape() : saved.key_.shape());
+    grads.value = Tensor<T>(plan.fused ? saved.query_.shape() : saved.value_.shape());
+    if (plan.fused) {
+      const auto input = saved.query_.matrix();
+      grads_.in_proj_weight.matrix().noalias() += saved.grad_qkv_.transpose() * input;
+      if (config_.bias) grads_.in_proj_bias.flat() += saved.grad_qkv_.colwise().sum().transpose();
+      Tensor<T>* input_grads[] = {&grads.query, &grads.key, &grads.value};
+      for (int which = 0; which < 3; ++which) {
+        input_grads[which]->matrix().noalias() =
+            saved.grad_qkv_.middleCols(which * embed, embed) * weight_rows(which);
+      }
+      return grads;
+    }
+    backward_projection(saved.grad_q_, saved.query_, 0, plan.batch, plan.query_len, plan.query_len,
+                        grads.query);
+    backward_projection(saved.grad_k_, saved.key_, 1, plan.batch, plan.key_len, plan.total_keys,
+                        grads.key);
+    backward_projection(saved.grad_v_, saved.value_, 2, plan.batch, plan.key_len, plan.total_keys,
+                        grads.value);
+    return grads;
+  }
+
+  // The accumulated gradient of one parameter, with its shape. Throws until a forward_train,
+  // zero_grad or parameters() call has allocated the gradients (PyTorch's grad is None then).
+  TensorView<const T> gradient(const std::string& name) const {
+    if (!has_grads_) {
+      detail::throw_argument("gradient", "'" + name +
+                                             "' has no gradient yet (call forward_train and "
+                                             "backward, zero_grad or parameters() first)");
+    }
+    for (const auto& entry : named_tensors(grads_)) {
+      if (entry.first == name) return entry.second->view();
+    }
+    // Not a parameter of this layer: throws, naming those it has.
+    const_cast<MultiHeadAttention*>(this)->find_parameter(name);
+    return {};
+  }
+
+  void zero_grad() {
+    ensure_gradients();
+    for (const auto& entry : named_tensors(grads_)) {
+      const_cast<Tensor<T>*>(entry.second)->flat().setZero();
+    }
+  }
+
+  // Each parameter with its gradient, under PyTorch's names and order: what optimisers, gradient
+  // clipping and diagnostics take. The views stay valid as long as the layer.
+  ParameterList<T> parameters() {
+    ensure_gradients();
+    ParameterList<T> list;
+    const auto values = named_tensors(params_);
+    const auto grads = named_tensors(grads_);
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      list.push_back({values[i].first, const_cast<Tensor<T>*>(values[i].second)->view(),
+                      const_cast<Tensor<T>*>(grads[i].second)->view()});
+    }
+    return list;
+  }
+
+  // Restarts the dropout generator: the same seed gives the same dropout masks for the same
+  // sequence of forward_train calls. (Construction seeds it from config.seed.)
+  void seed_dropout(std::uint64_t seed) { dropout_random_ = Random(seed ^ kDropoutSeedSalt); }
+
+ private:
+  using ParameterSet = detail::ParameterSet<T>;
+  using Plan = detail::ForwardPlan;
+  static constexpr std::uint64_t kDropoutSeedSalt = 0xD409A7E5EEDull;
+
+  // Checks the inputs and options of a forward call, before anything is computed.
+  Plan plan_forward(const TensorView<const T>& query, const TensorView<const T>& key,
+                    const TensorView<const T>& value, const ForwardOptions<T>& options) const {
+    const Index embed = config_.embed_dim;
+    Plan plan;
+    plan.batched = query.rank() == 3;
+    if (!plan.batched && query.rank() != 2) {
       detail::throw_shape(
           "query", "[B, L, " + std::to_string(embed) + "] or [L, " + std::to_string(embed) + "]",
           query.shape());
     }
-    const Index batch = batched ? query.dim(0) : 1;
-    const Index query_len = query.dim(query.rank() - 2);
-    const Index key_len = key.rank() == query.rank() ? key.dim(key.rank() - 2) : 0;
-    const Shape query_shape = batched ? Shape{batch, query_len, embed} : Shape{query_len, embed};
-    detail::check_shape("query", query_shape, query.shape());
-    const auto input_shape = [&](Index width) {
-      return batched ? Shape{batch, detail::kAnyDim, width} : Shape{detail::kAnyDim, width};
+    plan.batch = plan.batched ? query.dim(0) : 1;
+    plan.query_len = query.dim(query.rank() - 2);
+    plan.key_len = key.rank() == query.rank() ? key.dim(key.rank() - 2) : 0;
+    plan.query_shape =
+        plan.batched ? Shape{plan.batch, plan.query_len, embed} : Shape{plan.query_len, embed};
+    detail::check_shape("query", plan.query_shape, query.shape());
+    const auto input_shape = [&](Index length, Index width) {
+      return plan.batched ? Shape{plan.batch, length, width} : Shape{length, width};
     };
-    detail::check_shape("key", input_shape(config_.kdim), key.shape());
-    const Shape value_shape =
-        batched ? Shape{batch, key_len, config_.vdim} : Shape{key_len, config_.vdim};
-    detail::check_shape("value", value_shape, value.shape());
-
+    detail::check_shape("key", input_shape(detail::kAnyDim, config_.kdim), key.shape());
+    detail::check_shape("value", input_shape(plan.key_len, config_.vdim), value.shape());
     // S' keys: the inputs', then bias_k, then the zero key.
-    const Index total_keys =
-        key_len + (config_.add_bias_kv ? 1 : 0) + (config_.add_zero_attn ? 1 : 0);
-    const Index head_dim = embed / heads;
+    plan.total_keys =
+        plan.key_len + (config_.add_bias_kv ? 1 : 0) + (config_.add_zero_attn ? 1 : 0);
+    plan.kernel = detail::resolve_kernel(options.kernel, options.need_weights);
+    // Self-attention without extra key rows projects q, k and v in one [B*L, E] x [E, 3E] GEMM.
+    plan.fused = packed_projection() && !config_.add_bias_kv && !config_.add_zero_attn &&
+                 query.data() == key.data() && key.data() == value.data() &&
+                 query.shape() == key.shape() && key.shape() == value.shape();
+    return plan;
+  }
 
-    // Refused combinations fail before any projection is computed.
-    const Kernel kernel = detail::resolve_kernel(options.kernel, options.need_weights);
+  // The kernel options of a call, pointing into options' masks (which must outlive them). Checks
+  // the masks' shapes.
+  detail::CoreOptions<T> core_options(const Plan& plan, const ForwardOptions<T>& options) const {
     detail::CoreOptions<T> core;
-    core.scale = T(1) / std::sqrt(static_cast<T>(head_dim));
-    core.attn_mask = attn_mask_layout(options.attn_mask, batched, batch, query_len, key_len);
-    core.key_padding_mask = key_padding_layout(options.key_padding_mask, batched, batch, key_len);
+    core.scale = T(1) / std::sqrt(static_cast<T>(head_dim()));
+    core.attn_mask =
+        attn_mask_layout(options.attn_mask, plan.batched, plan.batch, plan.query_len, plan.key_len);
+    core.key_padding_mask =
+        key_padding_layout(options.key_padding_mask, plan.batched, plan.batch, plan.key_len);
     core.causal = options.is_causal ? Causal::top_left : Causal::none;
-    core.causal_cols = key_len;
+    core.causal_cols = plan.key_len;
+    return core;
+  }
 
-    // Self-attention without extra key rows projects q, k and v in one [B*L, E] x [E, 3E] GEMM
-    // into [B*L, 3E]; heads then read q, k and v at column offsets 0, E and 2E.
-    const bool fused = packed_projection() && !config_.add_bias_kv && !config_.add_zero_attn &&
-                       query.data() == key.data() && key.data() == value.data() &&
-                       query.shape() == key.shape() && key.shape() == value.shape();
+  // Head h of batch b: rows b*rows.., columns h*D.. of a buffer whose rows are `stride` apart.
+  template <class Element>
+  detail::HeadLayout<Element> head_layout(Element* data, Index rows, Index stride) const {
+    return {data, rows * stride, head_dim(), stride, rows, head_dim()};
+  }
+
+  // The forward pass proper; logsumexp is null or (B, H, L) for the flash kernel's backward.
+  void run_forward(const Plan& plan, const detail::CoreOptions<T>& core,
+                   const TensorView<const T>& query, const TensorView<const T>& key,
+                   const TensorView<const T>& value, const ForwardOptions<T>& options,
+                   Workspace<T>& workspace, ForwardResult<T>& result, T* logsumexp) const {
+    const Index embed = config_.embed_dim, heads = config_.num_heads;
+    const Index batch = plan.batch, query_len = plan.query_len, total_keys = plan.total_keys;
     const T* q_data;
     const T* k_data;
     const T* v_data;
     Index q_stride = embed, kv_stride = embed;
-    if (fused) {
+    if (plan.fused) {
+      // [B*L, 3E]: heads read q, k and v at column offsets 0, E and 2E.
       Matrix<T>& qkv = workspace.qkv;
       qkv.resize(batch * query_len, 3 * embed);
-      qkv.noalias() = query.matrix() * in_proj_weight_.matrix().transpose();
-      if (config_.bias) qkv.rowwise() += in_proj_bias_.flat().transpose();
+      qkv.noalias() = query.matrix() * params_.in_proj_weight.matrix().transpose();
+      if (config_.bias) qkv.rowwise() += params_.in_proj_bias.flat().transpose();
       q_data = qkv.data();
       k_data = q_data + embed;
       v_data = q_data + 2 * embed;
@@ -327,8 +608,8 @@ class MultiHeadAttention {
       workspace.q.resize(batch * query_len, embed);
       workspace.q.noalias() = query.matrix() * weight_rows(0).transpose();
       add_bias(workspace.q, 0);
-      project_keys(key, 1, batch, key_len, total_keys, bias_k_, workspace.k);
-      project_keys(value, 2, batch, key_len, total_keys, bias_v_, workspace.v);
+      project_keys(key, 1, batch, plan.key_len, total_keys, params_.bias_k, workspace.k);
+      project_keys(value, 2, batch, plan.key_len, total_keys, params_.bias_v, workspace.v);
       q_data = workspace.q.data();
       k_data = workspace.k.data();
       v_data = workspace.v.data();
@@ -340,21 +621,16 @@ class MultiHeadAttention {
                                       : workspace.per_head_weights;
     if (options.need_weights) per_head_weights.resize({batch, heads, query_len, total_keys});
     workspace.attended.resize(batch * query_len, embed);
-    // Head h of batch b: rows b*rows.., columns h*D.. of a buffer whose rows are `stride` apart.
-    const auto heads_of = [&](auto* data, Index rows, Index stride) {
-      using Element = std::remove_pointer_t<decltype(data)>;
-      return detail::HeadLayout<Element>{data, rows * stride, head_dim, stride, rows, head_dim};
-    };
     detail::attention<T>(
-        kernel, batch, heads, heads_of(q_data, query_len, q_stride),
-        heads_of(k_data, total_keys, kv_stride), heads_of(v_data, total_keys, kv_stride),
-        heads_of(workspace.attended.data(), query_len, embed), core,
-        options.need_weights ? per_head_weights.data() : nullptr, workspace.kernel);
+        plan.kernel, batch, heads, head_layout(q_data, query_len, q_stride),
+        head_layout(k_data, total_keys, kv_stride), head_layout(v_data, total_keys, kv_stride),
+        head_layout(workspace.attended.data(), query_len, embed), core,
+        options.need_weights ? per_head_weights.data() : nullptr, workspace.kernel, logsumexp);
 
-    result.output.resize(query_shape);
+    result.output.resize(plan.query_shape);
     auto output = result.output.matrix();
-    output.noalias() = workspace.attended * out_proj_weight_.matrix().transpose();
-    if (config_.bias) output.rowwise() += out_proj_bias_.flat().transpose();
+    output.noalias() = workspace.attended * params_.out_proj_weight.matrix().transpose();
+    if (config_.bias) output.rowwise() += params_.out_proj_bias.flat().transpose();
 
     if (!options.need_weights) {
       result.attn_weights = Tensor<T>();
@@ -363,36 +639,81 @@ class MultiHeadAttention {
     if (options.average_attn_weights) {
       average_over_heads(per_head_weights, result.attn_weights);
     }
-    if (!batched) {
+    if (!plan.batched) {
       // Drop the batch axis of size 1: [1, ...] -> [...].
       Shape unbatched(result.attn_weights.shape().begin() + 1, result.attn_weights.shape().end());
       result.attn_weights.reshape(std::move(unbatched));
     }
   }
 
-  // Self-attention: query, key and value are all x.
-  ForwardResult<T> forward(TensorView<const T> x, const ForwardOptions<T>& options = {}) const {
-    return forward(x, x, x, options);
+  // The backward of one projection y = x Wᵀ + b (which = 0, 1, 2 for q, k, v), where grad_y is
+  // [B*rows', E] with rows' = total_rows per batch: the first `rows` of each batch came from
+  // input [B, rows, width]; a bias_k/bias_v row follows (add_bias_kv), then the zero row.
+  void backward_projection(const Matrix<T>& grad_y, const Tensor<T>& input, int which, Index batch,
+                           Index rows, Index total_rows, Tensor<T>& grad_input) {
+    const Index embed = config_.embed_dim;
+    auto grad_weight = projection(grads_, which);
+    const auto weight = weight_rows(which);
+    const Index width = weight.cols();
+    const auto accumulate_bias = [&](const auto& grad_rows) {
+      if (!config_.bias) return;
+      Eigen::Map<RowVector<T>>(grads_.in_proj_bias.data() + which * embed, embed) +=
+          grad_rows.colwise().sum();
+    };
+    if (total_rows == rows) {  // no extra rows: one GEMM over every batch
+      grad_weight.noalias() += grad_y.transpose() * input.matrix();
+      accumulate_bias(grad_y);
+      grad_input.matrix().noalias() = grad_y * weight;
+      return;
+    }
+    Tensor<T>& grad_extra = which == 1 ? grads_.bias_k : grads_.bias_v;
+    for (Index b = 0; b < batch; ++b) {
+      const auto grad_rows = grad_y.middleRows(b * total_rows, rows);
+      const Eigen::Map<const Matrix<T>> input_rows(input.data() + b * rows * width, rows, width);
+      grad_weight.noalias() += grad_rows.transpose() * input_rows;
+      accumulate_bias(grad_rows);
+      Eigen::Map<Matrix<T>>(grad_input.data() + b * rows * width, rows, width).noalias() =
+          grad_rows * weight;
+      // The zero row is a constant: its gradient goes nowhere.
+      if (config_.add_bias_kv && which > 0) {
+        grad_extra.flat() += grad_y.row(b * total_rows + rows).transpose();
+      }
+    }
   }
 
- private:
-  std::vector<std::pair<std::string, const Tensor<T>*>> named_parameters() const {
+  void ensure_gradients() {
+    if (has_grads_) return;
+    const auto values = named_tensors(params_);
+    const auto grads = named_tensors(grads_);
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      *const_cast<Tensor<T>*>(grads[i].second) = Tensor<T>(values[i].second->shape());
+    }
+    has_grads_ = true;
+  }
+
+  // The tensors of `set` (the parameters or their gradients) that this layer has, by name, in
+  // PyTorch's order.
+  std::vector<std::pair<std::string, const Tensor<T>*>> named_tensors(
+      const ParameterSet& set) const {
     std::vector<std::pair<std::string, const Tensor<T>*>> named;
     if (packed_projection()) {
-      named.emplace_back("in_proj_weight", &in_proj_weight_);
+      named.emplace_back("in_proj_weight", &set.in_proj_weight);
     } else {
-      named.emplace_back("q_proj_weight", &q_proj_weight_);
-      named.emplace_back("k_proj_weight", &k_proj_weight_);
-      named.emplace_back("v_proj_weight", &v_proj_weight_);
+      named.emplace_back("q_proj_weight", &set.q_proj_weight);
+      named.emplace_back("k_proj_weight", &set.k_proj_weight);
+      named.emplace_back("v_proj_weight", &set.v_proj_weight);
     }
-    if (config_.bias) named.emplace_back("in_proj_bias", &in_proj_bias_);
+    if (config_.bias) named.emplace_back("in_proj_bias", &set.in_proj_bias);
     if (config_.add_bias_kv) {
-      named.emplace_back("bias_k", &bias_k_);
-      named.emplace_back("bias_v", &bias_v_);
+      named.emplace_back("bias_k", &set.bias_k);
+      named.emplace_back("bias_v", &set.bias_v);
     }
-    named.emplace_back("out_proj.weight", &out_proj_weight_);
-    if (config_.bias) named.emplace_back("out_proj.bias", &out_proj_bias_);
+    named.emplace_back("out_proj.weight", &set.out_proj_weight);
+    if (config_.bias) named.emplace_back("out_proj.bias", &set.out_proj_bias);
     return named;
+  }
+  std::vector<std::pair<std::string, const Tensor<T>*>> named_parameters() const {
+    return named_tensors(params_);
   }
 
   std::string joined_parameter_names() const {
@@ -409,24 +730,27 @@ class MultiHeadAttention {
                                             joined_parameter_names() + ")");
   }
 
-  // W_q, W_k or W_v (which = 0, 1, 2) as an [E, width] matrix.
-  Eigen::Map<const Matrix<T>> weight_rows(int which) const {
+  // W_q, W_k or W_v (which = 0, 1, 2) of `set` (the parameters or the gradients) as an
+  // [E, width] matrix.
+  template <class Set>
+  auto projection(Set& set, int which) const {
+    using Map = Eigen::Map<std::conditional_t<std::is_const_v<Set>, const Matrix<T>, Matrix<T>>>;
     const Index embed = config_.embed_dim;
-    if (packed_projection()) {
-      return Eigen::Map<const Matrix<T>>(in_proj_weight_.data() + which * embed * embed, embed,
-                                         embed);
-    }
-    const Tensor<T>& weight = which == 0   ? q_proj_weight_
-                              : which == 1 ? k_proj_weight_
-                                           : v_proj_weight_;
-    return Eigen::Map<const Matrix<T>>(weight.data(), weight.dim(0), weight.dim(1));
+    if (packed_projection())
+      return Map(set.in_proj_weight.data() + which * embed * embed, embed, embed);
+    auto& weight = which == 0   ? set.q_proj_weight
+                   : which == 1 ? set.k_proj_weight
+                                : set.v_proj_weight;
+    return Map(weight.data(), weight.dim(0), weight.dim(1));
   }
+  Eigen::Map<const Matrix<T>> weight_rows(int which) const { return projection(params_, which); }
 
   template <class Rows>
   void add_bias(Rows& rows, int which) const {
     if (!config_.bias) return;
     const Index embed = config_.embed_dim;
-    rows.rowwise() += Eigen::Map<const RowVector<T>>(in_proj_bias_.data() + which * embed, embed);
+    rows.rowwise() +=
+        Eigen::Map<const RowVector<T>>(params_.in_proj_bias.data() + which * embed, embed);
   }
 
   // input [B, S, width] (or [S, width]) projected into [B*S', E]: for each batch its S rows, then
@@ -498,9 +822,12 @@ class MultiHeadAttention {
   }
 
   MultiHeadAttentionConfig config_;
-  Tensor<T> in_proj_weight_, q_proj_weight_, k_proj_weight_, v_proj_weight_;
-  Tensor<T> in_proj_bias_, bias_k_, bias_v_;
-  Tensor<T> out_proj_weight_, out_proj_bias_;
+  ParameterSet params_;
+  // Gradients with the parameters' shapes, allocated by the first forward_train, zero_grad or
+  // parameters() call: a layer used only for inference never holds them.
+  ParameterSet grads_;
+  bool has_grads_ = false;
+  Random dropout_random_{0};
 };
 
 }  // namespace mha

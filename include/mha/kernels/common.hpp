@@ -1,8 +1,10 @@
 // What both attention kernels share: where each head's rows live (HeadLayout), what is
-// computed besides q, k and v (CoreOptions), and causal masking of a block of scores.
+// computed besides q, k and v (CoreOptions), causal masking of a block of scores, and attention
+// dropout.
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -71,8 +73,47 @@ void apply_causal(Causal causal, Index causal_cols, Index query_len, Index row0,
   }
 }
 
+// Attention dropout (training only): each weight P[b, h, i, j] is kept with probability 1 - p
+// and then scaled by 1/(1 - p), as torch.nn.functional.dropout. Whether a weight is kept depends
+// only on the seed and its position (a counter-based generator, as FlashAttention's Philox), so
+// both kernels drop the same weights whatever their tile order or thread count, and the backward
+// pass regenerates the mask instead of storing an [L, S'] one.
+template <class T>
+struct Dropout {
+  double p = 0;
+  std::uint64_t seed = 0;
+  Index heads = 1, rows = 0, cols = 0;  // H, L, S': positions are numbered over (b, h, i, j)
+
+  bool active() const { return p > 0; }
+  // Weights are kept when a 32-bit hash is at least p * 2^32; p = 1 drops every weight.
+  std::uint64_t threshold() const { return static_cast<std::uint64_t>(p * 4294967296.0); }
+  T keep_scale() const { return p >= 1 ? T(0) : static_cast<T>(1.0 / (1.0 - p)); }
+
+  bool keeps(Index b, Index h, Index i, Index j) const {
+    const auto position = static_cast<std::uint64_t>(((b * heads + h) * rows + i) * cols + j);
+    // splitmix64's finaliser of (seed, position): every output bit depends on every input bit.
+    std::uint64_t z = seed + (position + 1) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return (z >> 32) >= threshold();
+  }
+
+  // tile holds weights of queries row0.. and keys col0.. of head (b, h): multiplies each by
+  // 1/(1 - p) where kept and by 0 where dropped.
+  template <class Tile>
+  void apply(Index b, Index h, Index row0, Index col0, Tile& tile) const {
+    const T scale = keep_scale();
+    for (Index i = 0; i < tile.rows(); ++i) {
+      for (Index j = 0; j < tile.cols(); ++j) {
+        tile(i, j) *= keeps(b, h, row0 + i, col0 + j) ? scale : T(0);
+      }
+    }
+  }
+};
+
 // What a kernel computes besides q, k, v: the masks (each may be kind none), causal masking
-// over the first causal_cols keys, and the scale.
+// over the first causal_cols keys, the scale and dropout.
 template <class T>
 struct CoreOptions {
   MaskLayout<T> attn_mask;
@@ -80,6 +121,21 @@ struct CoreOptions {
   Causal causal = Causal::none;
   Index causal_cols = 0;
   T scale = T(1);
+  Dropout<T> dropout;
+
+  bool any_mask() const {
+    return attn_mask.kind != MaskKind::none || key_padding_mask.kind != MaskKind::none ||
+           causal != Causal::none;
+  }
+  // tile <- the masks of queries row0.. and keys col0.. of head (b, h): 0, additive values, and
+  // -inf where blocked. tile's columns from causal_cols on are always visible (left 0).
+  template <class Tile>
+  void masks(Index b, Index h, Index query_len, Index row0, Index col0, Tile& tile) const {
+    tile.setZero();
+    attn_mask.apply(b, h, row0, col0, tile);
+    key_padding_mask.apply(b, h, row0, col0, tile);
+    apply_causal(causal, causal_cols, query_len, row0, col0, tile);
+  }
 };
 
 // The threads a parallel region of the kernels may use, and this thread's index in it.
@@ -101,12 +157,15 @@ inline int thread_index() {
 // One thread's buffers for a kernel: the score tile (or, for the reference kernel, the whole
 // [L, S'] scores), and for the flash kernel the accumulator and the running max and sum. Kept in
 // a Workspace across calls, so that repeated calls of the same shapes allocate nothing.
+// The backward kernels add a second tile (the gradient of the scores) and a per-row vector.
 template <class T>
 struct KernelScratch {
   Matrix<T> scores;
   Matrix<T> acc;
   Vector<T> row_max, row_sum;
   RowVector<T> exps;
+  Matrix<T> grad_scores;
+  Vector<T> row_dot;
 };
 
 // One KernelScratch per thread that the next parallel region can have.

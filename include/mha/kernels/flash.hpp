@@ -9,6 +9,9 @@
 //   sum   = c * sum + rowsum(p);   acc = c * acc + p v_blk;   m = m'
 // and once at the end out = acc / sum (a row that saw no visible key has sum 0 and gives 0).
 // Key blocks that causal masking hides from every query of the block are never visited.
+// In training, dropout multiplies p by its mask after rowsum(p) (the softmax's normaliser is
+// that of the undropped weights), and the log-sum-exp m + log(sum) of each row is saved: the
+// backward pass (attention_flash_backward, below) recomputes any tile of P from it.
 #pragma once
 
 #include <algorithm>
@@ -29,20 +32,30 @@ struct FlashBlocks {
   Index key = 256;
 };
 
+// Calls visit(j0, cols) for each key block a query block whose last row is last_row may see:
+// the input keys up to causal masking's limit, then the extra keys (bias_k, zero attention).
+template <class Visit>
+void for_each_key_block(Causal causal, Index masked_keys, Index key_len, Index query_len,
+                        Index last_row, Index block, Visit&& visit) {
+  const Index visible_end = causal_visible_end(causal, masked_keys, query_len, last_row);
+  for (Index j0 = 0; j0 < visible_end; j0 += block) visit(j0, std::min(block, visible_end - j0));
+  for (Index j0 = masked_keys; j0 < key_len; j0 += block) visit(j0, std::min(block, key_len - j0));
+}
+
 // q is (B, H, L, D), k is (B, H, S', D), v is (B, H, S', Dv), out is (B, H, L, Dv), as head
 // layouts. The first options.causal_cols keys are the input keys, subject to masks and causal
-// masking; the rest (bias_k, zero attention) are visible to every query.
+// masking; the rest (bias_k, zero attention) are visible to every query. logsumexp is null or a
+// contiguous (B, H, L) buffer; a row with no visible key gets -inf there.
 template <class T>
 void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
                      const HeadLayout<const T>& k, const HeadLayout<const T>& v,
                      const HeadLayout<T>& out, const CoreOptions<T>& options,
-                     std::vector<KernelScratch<T>>& scratch, const FlashBlocks& blocks = {}) {
+                     std::vector<KernelScratch<T>>& scratch, T* logsumexp = nullptr,
+                     const FlashBlocks& blocks = {}) {
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
   const Index query_len = q.rows, key_len = k.rows, value_dim = v.cols;
   const Index masked_keys = options.causal_cols;  // keys [masked_keys, key_len) always visible
-  const bool any_mask = options.attn_mask.kind != MaskKind::none ||
-                        options.key_padding_mask.kind != MaskKind::none ||
-                        options.causal != Causal::none;
+  const bool any_mask = options.any_mask();
   const Index query_blocks = (query_len + blocks.query - 1) / blocks.query;
   const Index tasks = batch * heads * query_blocks;
 
@@ -78,20 +91,16 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
       acc_blk.setZero();
       row_max.head(rows).setConstant(kNegInf);
       row_sum.head(rows).setZero();
-      // Causal masking hides every key from causal_visible_end(last row) on from this block.
-      const Index visible_end =
-          causal_visible_end(options.causal, masked_keys, query_len, i0 + rows - 1);
 
       const auto process = [&](Index j0, Index cols) {
         auto s = tile.topLeftCorner(rows, cols);
         // pass 1: masks first, so a block they hide wholly costs no GEMM
-        s.setZero();
         const bool masked_tile = any_mask && j0 < masked_keys;
         if (masked_tile) {
-          options.attn_mask.apply(b, h, i0, j0, s);
-          options.key_padding_mask.apply(b, h, i0, j0, s);
-          apply_causal(options.causal, masked_keys, query_len, i0, j0, s);
+          options.masks(b, h, query_len, i0, j0, s);
           if ((s.array() == kNegInf).all()) return;
+        } else {
+          s.setZero();
         }
         s.noalias() +=
             options.scale * (q_bh.middleRows(i0, rows) * k_bh.middleRows(j0, cols).transpose());
@@ -118,15 +127,12 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
             row_sum(r) += score_row.sum();
           }
         }
+        if (options.dropout.active()) options.dropout.apply(b, h, i0, j0, s);
         acc_blk.noalias() += s * v_bh.middleRows(j0, cols);
       };
-
-      for (Index j0 = 0; j0 < visible_end; j0 += blocks.key) {
-        process(j0, std::min(blocks.key, visible_end - j0));
-      }
-      for (Index j0 = masked_keys; j0 < key_len; j0 += blocks.key) {
-        process(j0, std::min(blocks.key, key_len - j0));
-      }
+      // Causal masking hides every key from causal_visible_end(last row) on from this block.
+      for_each_key_block(options.causal, masked_keys, key_len, query_len, i0 + rows - 1, blocks.key,
+                         process);
 
       // One division per row at the end; a row with no visible key stays 0.
       for (Index r = 0; r < rows; ++r) {
@@ -137,6 +143,116 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
           out_row.setZero();
         }
       }
+      if (logsumexp != nullptr) {
+        T* lse = logsumexp + (b * heads + h) * query_len + i0;
+        for (Index r = 0; r < rows; ++r) {
+          lse[r] = row_sum(r) > T(0) ? row_max(r) + std::log(row_sum(r)) : kNegInf;
+        }
+      }
+    }
+  }
+}
+
+// The backward of attention_flash, FlashAttention-2's algorithm: no [L, S'] matrix is stored;
+// each [Bq, Bk] tile of P is recomputed from the saved log-sum-exp, P = exp(S - lse), and
+//   dV_j += Pdᵀ dO_i,   dP = (dO_i V_jᵀ) ∘ Z,   dS = P ∘ (dP - rowdot_i)
+//   dQ_i += scale dS K_j,   dK_j += scale dSᵀ Q_i
+// where rowdot_i = rowsum(dO_i ∘ O_i), which equals rowsum(P ∘ dP) (see the reference backward)
+// and Z is dropout's mask. out is the forward's output, grad_out is (B, H, L, Dv), logsumexp the
+// forward's (B, H, L); grad_q, grad_k, grad_v have the layouts of q, k, v and are overwritten.
+// A task is one (batch, head), its key blocks outer (dK_j and dV_j stay in cache) and its query
+// blocks inner; one thread owns all of a head's gradients, so there are no write races and the
+// result does not depend on the number of threads. (FlashAttention splits a head over key blocks
+// and adds dQ atomically; with H·B tasks for two cores, one per head suffices.)
+template <class T>
+void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T>& q,
+                              const HeadLayout<const T>& k, const HeadLayout<const T>& v,
+                              const HeadLayout<const T>& out, const HeadLayout<const T>& grad_out,
+                              const T* logsumexp, const HeadLayout<T>& grad_q,
+                              const HeadLayout<T>& grad_k, const HeadLayout<T>& grad_v,
+                              const CoreOptions<T>& options, std::vector<KernelScratch<T>>& scratch,
+                              const FlashBlocks& blocks = {64, 128}) {
+  constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+  const Index query_len = q.rows, key_len = k.rows;
+  const Index masked_keys = options.causal_cols;
+  const bool any_mask = options.any_mask();
+  const Index tasks = batch * heads;
+  scratch_for_threads(scratch);
+  MHA_OMP_PRAGMA(omp parallel if (tasks > 1)) {
+    KernelScratch<T>& mine = scratch[static_cast<std::size_t>(thread_index())];
+    mine.scores.resize(blocks.query, blocks.key);
+    mine.grad_scores.resize(blocks.query, blocks.key);
+    mine.acc.resize(blocks.query, blocks.key);  // the dropped-out tile Pd
+    mine.exps.resize(blocks.key);
+    mine.row_dot.resize(query_len);
+    MHA_OMP_PRAGMA(omp for schedule(dynamic))
+    for (Index task = 0; task < tasks; ++task) {
+      const Index b = task / heads, h = task % heads;
+      const auto q_bh = q.at(b, h);
+      const auto k_bh = k.at(b, h);
+      const auto v_bh = v.at(b, h);
+      const auto grad_out_bh = grad_out.at(b, h);
+      auto grad_q_bh = grad_q.at(b, h);
+      auto grad_k_bh = grad_k.at(b, h);
+      auto grad_v_bh = grad_v.at(b, h);
+      const T* lse = logsumexp + (b * heads + h) * query_len;
+      mine.row_dot = (grad_out_bh.array() * out.at(b, h).array()).rowwise().sum().matrix();
+      grad_q_bh.setZero();
+      grad_k_bh.setZero();
+      grad_v_bh.setZero();
+
+      const auto key_block = [&](Index j0, Index cols) {
+        const auto k_blk = k_bh.middleRows(j0, cols);
+        const auto v_blk = v_bh.middleRows(j0, cols);
+        auto grad_k_blk = grad_k_bh.middleRows(j0, cols);
+        auto grad_v_blk = grad_v_bh.middleRows(j0, cols);
+        for (Index i0 = 0; i0 < query_len; i0 += blocks.query) {
+          const Index rows = std::min(blocks.query, query_len - i0);
+          const bool masked_tile = any_mask && j0 < masked_keys;
+          if (masked_tile &&
+              j0 >= causal_visible_end(options.causal, masked_keys, query_len, i0 + rows - 1)) {
+            continue;  // causal masking hides this key block from every query of the block
+          }
+          auto probs = mine.scores.topLeftCorner(rows, cols);
+          if (masked_tile) {
+            options.masks(b, h, query_len, i0, j0, probs);
+            if ((probs.array() == kNegInf).all()) continue;
+          } else {
+            probs.setZero();
+          }
+          const auto q_blk = q_bh.middleRows(i0, rows);
+          const auto grad_out_blk = grad_out_bh.middleRows(i0, rows);
+          probs.noalias() += options.scale * (q_blk * k_blk.transpose());
+          // P = exp(S - lse), exactly 0 where blocked and in rows that saw no key
+          for (Index r = 0; r < rows; ++r) {
+            auto row = probs.row(r);
+            if (lse[i0 + r] == kNegInf) {
+              row.setZero();
+            } else if (masked_tile) {
+              exp_shifted_inplace(row, lse[i0 + r], mine.exps);
+            } else {
+              row.array() = (row.array() - lse[i0 + r]).exp();
+            }
+          }
+          auto grad_scores = mine.grad_scores.topLeftCorner(rows, cols);
+          grad_scores.noalias() = grad_out_blk * v_blk.transpose();
+          if (options.dropout.active()) {
+            auto dropped = mine.acc.topLeftCorner(rows, cols);
+            dropped = probs;
+            options.dropout.apply(b, h, i0, j0, dropped);
+            grad_v_blk.noalias() += dropped.transpose() * grad_out_blk;
+            options.dropout.apply(b, h, i0, j0, grad_scores);
+          } else {
+            grad_v_blk.noalias() += probs.transpose() * grad_out_blk;
+          }
+          grad_scores.array() = probs.array() * (grad_scores.array().colwise() -
+                                                 mine.row_dot.segment(i0, rows).array());
+          grad_q_bh.middleRows(i0, rows).noalias() += options.scale * (grad_scores * k_blk);
+          grad_k_blk.noalias() += options.scale * (grad_scores.transpose() * q_blk);
+        }
+      };
+      for_each_key_block(options.causal, masked_keys, key_len, query_len, query_len - 1, blocks.key,
+                         key_block);
     }
   }
 }

@@ -1,5 +1,6 @@
 // The reference kernel: for each (batch, head) it stores the [L, S'] scores, so it can return
-// the attention weights. It is the oracle the flash kernel is tested against.
+// the attention weights. It is the oracle the flash kernel is tested against, forward and
+// backward.
 #pragma once
 
 #include "mha/kernels/common.hpp"
@@ -36,14 +37,75 @@ void attention_reference(Index batch, Index heads, const HeadLayout<const T>& q,
       options.attn_mask.apply(b, h, 0, 0, scores);
       options.key_padding_mask.apply(b, h, 0, 0, scores);
       apply_causal(options.causal, options.causal_cols, query_len, 0, 0, scores);
-      // pass 2: probabilities, then their weighted sum of values
+      // pass 2: probabilities (dropped out in training), then their weighted sum of values
       softmax_rows_inplace(scores, mine.exps);
+      if (options.dropout.active()) options.dropout.apply(b, h, 0, 0, scores);
       auto out_bh = out.at(b, h);
       out_bh.noalias() = scores * v.at(b, h);
       if (weights != nullptr) {
         Eigen::Map<Matrix<T>>(weights + (b * heads + h) * query_len * key_len, query_len, key_len) =
             scores;
       }
+    }
+  }
+}
+
+// The backward of attention_reference. grad_out is (B, H, L, Dv); grad_q, grad_k, grad_v have
+// the layouts of q, k, v and are overwritten. Per head, recomputing P instead of storing it:
+//   forward                          backward
+//   S  = scale q kᵀ + masks          grad_q = scale dS k,  grad_k = scale dSᵀ q
+//   P  = softmax(S)                  dS = P ∘ (dP - rowsum(P ∘ dP))    (softmax's Jacobian)
+//   Pd = P ∘ Z  (dropout, Z=keep/(1-p))  dP = dPd ∘ Z
+//   out = Pd v                       dPd = grad_out vᵀ,  grad_v = Pdᵀ grad_out
+// A fully masked row has P = 0 and so gives no gradient to anything.
+template <class T>
+void attention_reference_backward(Index batch, Index heads, const HeadLayout<const T>& q,
+                                  const HeadLayout<const T>& k, const HeadLayout<const T>& v,
+                                  const HeadLayout<const T>& grad_out, const HeadLayout<T>& grad_q,
+                                  const HeadLayout<T>& grad_k, const HeadLayout<T>& grad_v,
+                                  const CoreOptions<T>& options,
+                                  std::vector<KernelScratch<T>>& scratch) {
+  const Index query_len = q.rows, key_len = k.rows;
+  const Index tasks = batch * heads;
+  scratch_for_threads(scratch);
+  MHA_OMP_PRAGMA(omp parallel if (tasks > 1)) {
+    KernelScratch<T>& mine = scratch[static_cast<std::size_t>(thread_index())];
+    mine.scores.resize(query_len, key_len);
+    mine.grad_scores.resize(query_len, key_len);
+    mine.exps.resize(key_len);
+    mine.row_dot.resize(query_len);
+    Matrix<T>& probs = mine.scores;
+    Matrix<T>& grad_scores = mine.grad_scores;
+    MHA_OMP_PRAGMA(omp for schedule(static))
+    for (Index task = 0; task < tasks; ++task) {
+      const Index b = task / heads, h = task % heads;
+      const auto q_bh = q.at(b, h);
+      const auto k_bh = k.at(b, h);
+      const auto v_bh = v.at(b, h);
+      const auto grad_out_bh = grad_out.at(b, h);
+      // P, recomputed as the forward pass computed it
+      options.masks(b, h, query_len, 0, 0, probs);
+      probs.noalias() += options.scale * (q_bh * k_bh.transpose());
+      softmax_rows_inplace(probs, mine.exps);
+      // grad_v from the dropped-out weights Pd = P ∘ Z, built in the dS buffer; then dP = dPd ∘ Z
+      auto grad_v_bh = grad_v.at(b, h);
+      if (options.dropout.active()) {
+        grad_scores = probs;
+        options.dropout.apply(b, h, 0, 0, grad_scores);
+        grad_v_bh.noalias() = grad_scores.transpose() * grad_out_bh;
+        grad_scores.noalias() = grad_out_bh * v_bh.transpose();
+        options.dropout.apply(b, h, 0, 0, grad_scores);
+      } else {
+        grad_v_bh.noalias() = probs.transpose() * grad_out_bh;
+        grad_scores.noalias() = grad_out_bh * v_bh.transpose();
+      }
+      // dS = P ∘ (dP - rowsum(P ∘ dP)), in place of dP
+      mine.row_dot = (probs.array() * grad_scores.array()).rowwise().sum().matrix();
+      grad_scores.array() = probs.array() * (grad_scores.array().colwise() - mine.row_dot.array());
+      auto grad_q_bh = grad_q.at(b, h);
+      auto grad_k_bh = grad_k.at(b, h);
+      grad_q_bh.noalias() = options.scale * (grad_scores * k_bh);
+      grad_k_bh.noalias() = options.scale * (grad_scores.transpose() * q_bh);
     }
   }
 }
