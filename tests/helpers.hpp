@@ -2,6 +2,7 @@
 // values, and reports the worst element's index and the largest difference.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <sstream>
@@ -104,6 +105,37 @@ Comparison compare(const mha::Tensor<T>& actual, const mha::Tensor<U>& expected,
   return compare<T, U>(actual.view(), expected.view(), rtol, atol);
 }
 
+// Gradients: |actual - expected| <= rtol * (max|expected| over the tensor + |expected|), rtol
+// 1e-5 in float and 1e-10 in double (the training issue's bounds). Measured against the tensor's
+// scale because a gradient element is a sum over batch, rows and keys whose terms often cancel:
+// its rounding is of the size of the terms, not of the (possibly tiny) element.
+template <class T>
+struct GradientTolerance;
+template <>
+struct GradientTolerance<float> {
+  static constexpr double rtol = 1e-5;
+};
+template <>
+struct GradientTolerance<double> {
+  static constexpr double rtol = 1e-10;
+};
+
+template <class T, class U>
+Comparison compare_gradients(mha::TensorView<const T> actual, mha::TensorView<const U> expected,
+                             double rtol = GradientTolerance<T>::rtol) {
+  double scale = 0.0;
+  for (Index i = 0; i < expected.size(); ++i) {
+    scale = std::max(scale, std::abs(static_cast<double>(expected.data()[i])));
+  }
+  return compare<T, U>(actual, expected, rtol, rtol * scale);
+}
+
+template <class T, class U>
+Comparison compare_gradients(const mha::Tensor<T>& actual, const mha::Tensor<U>& expected,
+                             double rtol = GradientTolerance<T>::rtol) {
+  return compare_gradients<T, U>(actual.view(), expected.view(), rtol);
+}
+
 }  // namespace mha_test
 
 // CHECK that two tensors agree, printing the shape mismatch or the worst element.
@@ -119,4 +151,18 @@ Comparison compare(const mha::Tensor<T>& actual, const mha::Tensor<U>& expected,
     const auto mha_comparison = mha_test::compare((actual), (expected), (rtol), (atol)); \
     INFO(mha_comparison.message);                                                        \
     CHECK(mha_comparison.ok);                                                            \
+  } while (false)
+
+#define CHECK_GRADIENTS_CLOSE(actual, expected)                                    \
+  do {                                                                             \
+    const auto mha_comparison = mha_test::compare_gradients((actual), (expected)); \
+    INFO(mha_comparison.message);                                                  \
+    CHECK(mha_comparison.ok);                                                      \
+  } while (false)
+
+#define CHECK_GRADIENTS_CLOSE_TOL(actual, expected, rtol)                                  \
+  do {                                                                                     \
+    const auto mha_comparison = mha_test::compare_gradients((actual), (expected), (rtol)); \
+    INFO(mha_comparison.message);                                                          \
+    CHECK(mha_comparison.ok);                                                              \
   } while (false)

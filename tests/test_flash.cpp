@@ -1,6 +1,7 @@
-// The flash kernel against the reference kernel, its oracle: the same results within float
-// rounding for every option, with block sizes small enough that every path (several query and
-// key blocks, partial blocks, blocks skipped by causal masking or by masks) runs.
+// The flash kernel against the reference kernel, its oracle: the same results, forward and
+// backward, within float rounding for every option (dropout included), with block sizes small
+// enough that every path (several query and key blocks, partial blocks, blocks skipped by causal
+// masking or by masks) runs.
 #include <limits>
 
 #include "helpers.hpp"
@@ -71,9 +72,12 @@ void check_case(const Case& c, std::uint64_t seed,
   }
   core.causal = c.causal;
   core.causal_cols = c.key_len;
+  // Dropout in a third of the cases: both kernels regenerate the same mask from the seed.
+  if (random.uniform() < 1.0 / 3) core.dropout = {0.3, seed, c.heads, c.query_len, total_keys};
 
   Tensor<T> reference({c.batch, c.heads, c.query_len, c.value_dim});
   Tensor<T> flash({c.batch, c.heads, c.query_len, c.value_dim}, T(99));  // every row is written
+  Tensor<T> logsumexp({c.batch, c.heads, c.query_len});
   const auto layout = [&](auto* data, Index rows, Index cols) {
     return mha::detail::contiguous_heads(data, c.heads, rows, cols);
   };
@@ -81,19 +85,47 @@ void check_case(const Case& c, std::uint64_t seed,
       c.batch, c.heads, layout(q.data(), c.query_len, c.head_dim),
       layout(k.data(), total_keys, c.head_dim), layout(v.data(), total_keys, c.value_dim),
       layout(reference.data(), c.query_len, c.value_dim), core, nullptr, scratch);
-  mha::detail::attention_flash<T>(
-      c.batch, c.heads, layout(q.data(), c.query_len, c.head_dim),
-      layout(k.data(), total_keys, c.head_dim), layout(v.data(), total_keys, c.value_dim),
-      layout(flash.data(), c.query_len, c.value_dim), core, scratch, nullptr,
-      {c.query_block, c.key_block});
+  mha::detail::attention_flash<T>(c.batch, c.heads, layout(q.data(), c.query_len, c.head_dim),
+                                  layout(k.data(), total_keys, c.head_dim),
+                                  layout(v.data(), total_keys, c.value_dim),
+                                  layout(flash.data(), c.query_len, c.value_dim), core, scratch,
+                                  logsumexp.data(), {c.query_block, c.key_block});
   INFO("B " << c.batch << " H " << c.heads << " L " << c.query_len << " S " << c.key_len << "+"
             << c.extra_keys << " D " << c.head_dim << " Dv " << c.value_dim << " attn "
             << mha::mask_kind_name(c.attn_kind) << (c.per_head_mask ? " per head" : "")
             << " padding " << mha::mask_kind_name(c.padding_kind) << " causal "
             << static_cast<int>(c.causal) << " blocks " << c.query_block << "x" << c.key_block
-            << " blocked " << blocked);
+            << " blocked " << blocked << " dropout " << core.dropout.p);
   REQUIRE(flash.flat().allFinite());
   CHECK_TENSORS_CLOSE(flash, reference);
+
+  // The backward passes: the flash one recomputes P tile by tile from logsumexp. Gradient
+  // buffers start as NaN: every element must be written.
+  const auto grad_out =
+      mha_test::random_tensor<T>({c.batch, c.heads, c.query_len, c.value_dim}, seed + 4);
+  const T nan = std::numeric_limits<T>::quiet_NaN();
+  Tensor<T> ref_q(q.shape(), nan), ref_k(k.shape(), nan), ref_v(v.shape(), nan);
+  Tensor<T> flash_q(q.shape(), nan), flash_k(k.shape(), nan), flash_v(v.shape(), nan);
+  mha::detail::attention_reference_backward<T>(
+      c.batch, c.heads, layout(q.data(), c.query_len, c.head_dim),
+      layout(k.data(), total_keys, c.head_dim), layout(v.data(), total_keys, c.value_dim),
+      layout(grad_out.data(), c.query_len, c.value_dim),
+      layout(ref_q.data(), c.query_len, c.head_dim), layout(ref_k.data(), total_keys, c.head_dim),
+      layout(ref_v.data(), total_keys, c.value_dim), core, scratch);
+  mha::detail::attention_flash_backward<T>(
+      c.batch, c.heads, layout(q.data(), c.query_len, c.head_dim),
+      layout(k.data(), total_keys, c.head_dim), layout(v.data(), total_keys, c.value_dim),
+      layout(static_cast<const T*>(flash.data()), c.query_len, c.value_dim),
+      layout(grad_out.data(), c.query_len, c.value_dim), logsumexp.data(),
+      layout(flash_q.data(), c.query_len, c.head_dim),
+      layout(flash_k.data(), total_keys, c.head_dim),
+      layout(flash_v.data(), total_keys, c.value_dim), core, scratch, {c.query_block, c.key_block});
+  REQUIRE(ref_q.flat().allFinite());
+  REQUIRE(ref_k.flat().allFinite());
+  REQUIRE(ref_v.flat().allFinite());
+  CHECK_TENSORS_CLOSE(flash_q, ref_q);
+  CHECK_TENSORS_CLOSE(flash_k, ref_k);
+  CHECK_TENSORS_CLOSE(flash_v, ref_v);
 }
 
 }  // namespace

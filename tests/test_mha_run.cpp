@@ -1,13 +1,16 @@
-// mha_run end to end: the real binary on a PyTorch fixture, its help, and malformed input
-// (exit code 1 with one line on stderr, never a crash).
+// mha_run end to end: the real binary on a PyTorch fixture (forward, and backward given
+// grad_output), its help, and malformed input (exit code 1 with one line on stderr, never a crash).
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <type_traits>
 
 #include "helpers.hpp"
 #include "mha/io/safetensors.hpp"
@@ -90,11 +93,83 @@ TEST_CASE("mha_run reproduces PyTorch on a fixture, end to end", "[mha_run]") {
   }
 }
 
+namespace {
+
+// Gradients are compared as in test_reference.cpp: |a - e| <= rtol * (max|e| + |e|), rtol 1e-5 in
+// float and 1e-10 in double.
+template <class T>
+void check_output_close(const mha::io::StoredTensor& actual, const mha::io::StoredTensor& expected,
+                        const std::string& name) {
+  const auto a = mha::io::to_tensor<T>(actual, name);
+  const auto e = mha::io::to_tensor<T>(expected, name);
+  if (name.rfind("grad.", 0) != 0) {
+    CHECK_TENSORS_CLOSE(a, e);
+    return;
+  }
+  const double rtol = std::is_same_v<T, float> ? 1e-5 : 1e-10;
+  double scale = 0.0;
+  for (mha::Index i = 0; i < e.size(); ++i)
+    scale = std::max(scale, std::abs(static_cast<double>(e.data()[i])));
+  CHECK_TENSORS_CLOSE_TOL(a, e, rtol, rtol * scale);
+}
+
+}  // namespace
+
+TEST_CASE("mha_run with grad_output writes PyTorch autograd's gradients, end to end",
+          "[mha_run][gradients]") {
+  const fs::path out = scratch_dir() / "out.safetensors";
+  for (const std::string name :
+       {"grad_f32_everything_flash", "grad_f64_everything_no_bias", "grad_f32_self_basic"}) {
+    INFO(name);
+    const Run run = run_tool("'" + fixture(name + ".in.safetensors") + "' '" + out.string() + "'");
+    REQUIRE(run.exit_code == 0);
+    CHECK(run.err.empty());
+    const auto actual = mha::io::read_safetensors(out.string());
+    const auto expected = mha::io::read_safetensors(fixture(name + ".expected.safetensors"));
+    // output, attn_weights when asked, grad.query/key/value and grad.<name> of every parameter.
+    CHECK(actual.tensors.count("grad.query") == 1);
+    CHECK(actual.tensors.count("grad.out_proj.weight") == 1);
+    REQUIRE(actual.tensors.size() == expected.tensors.size());
+    for (const auto& entry : expected.tensors) {
+      INFO(entry.first);
+      REQUIRE(actual.tensors.count(entry.first) == 1);
+      REQUIRE(actual.at(entry.first).dtype == entry.second.dtype);
+      if (entry.second.dtype == mha::io::Dtype::F32) {
+        check_output_close<float>(actual.at(entry.first), entry.second, entry.first);
+      } else {
+        check_output_close<double>(actual.at(entry.first), entry.second, entry.first);
+      }
+    }
+  }
+}
+
+TEST_CASE("mha_run refuses a grad_output that is not the shape or dtype of output",
+          "[mha_run][gradients][errors]") {
+  const fs::path dir = scratch_dir();
+  const std::string out = "'" + (dir / "out.safetensors").string() + "'";
+  // B = 2, L = 5, E = 12: output [2, 5, 12].
+  const auto original =
+      mha::io::read_safetensors(fixture("grad_f32_everything_flash.in.safetensors"));
+  REQUIRE(original.at("grad_output").shape == mha::Shape{2, 5, 12});
+  const auto refused_with = [&](mha::io::SafetensorsFile file, const std::string& fragment) {
+    mha::io::write_safetensors((dir / "bad.safetensors").string(), file);
+    check_refused("'" + (dir / "bad.safetensors").string() + "' " + out, fragment);
+  };
+  auto file = original;
+  file.tensors["grad_output"] = mha::io::from_tensor(mha::Tensor<float>({2, 5, 11}));
+  refused_with(file, "grad_output: expected [2, 5, 12] (the shape of output), got [2, 5, 11]");
+  file.tensors["grad_output"] = mha::io::from_tensor(mha::Tensor<float>({5, 12}));
+  refused_with(file, "grad_output: expected [2, 5, 12] (the shape of output), got [5, 12]");
+  file.tensors["grad_output"] = mha::io::from_tensor(mha::Tensor<double>({2, 5, 12}));
+  refused_with(file, "grad_output: expected dtype F32 (that of query), got F64");
+}
+
 TEST_CASE("mha_run --help documents the contract", "[mha_run]") {
   const Run run = run_tool("--help");
   CHECK(run.exit_code == 0);
   for (const char* word : {"num_heads", "key_padding_mask", "attn_mask", "need_weights",
-                           "average_attn_weights", "is_causal", "add_zero_attn", "attn_weights"}) {
+                           "average_attn_weights", "is_causal", "add_zero_attn", "attn_weights",
+                           "grad_output", "grad.query", "grad.key", "grad.value", "grad.<name>"}) {
     CHECK(run.out.find(word) != std::string::npos);
   }
 }

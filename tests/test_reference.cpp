@@ -1,10 +1,14 @@
 // Agreement with real PyTorch: every fixture written by tests/reference/generate.py (torch's own
-// nn.MultiheadAttention outputs) is run through the library and compared.
+// nn.MultiheadAttention outputs, and for the grad_* fixtures torch autograd's gradients) is run
+// through the library and compared.
 // To regenerate the fixtures: /usr/bin/python3 tests/reference/generate.py (see its README).
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
+#include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -37,6 +41,134 @@ void compare_tensor(const mha::io::StoredTensor& actual, const mha::io::StoredTe
   CHECK_TENSORS_CLOSE(a, e);
 }
 
+mha::io::SafetensorsFile read_fixture(const std::string& name, const std::string& kind) {
+  return mha::io::read_safetensors(std::string(MHA_REFERENCE_DIR) + "/" + name + "." + kind +
+                                   ".safetensors");
+}
+
+bool is_gradient(const std::string& tensor_name) {
+  return tensor_name.rfind("grad.", 0) == 0;
+}
+
+// The forward half of a fixture: without grad_output in, without the gradients expected.
+mha::io::SafetensorsFile forward_only(mha::io::SafetensorsFile file) {
+  file.tensors.erase("grad_output");
+  for (auto it = file.tensors.begin(); it != file.tensors.end();) {
+    it = is_gradient(it->first) ? file.tensors.erase(it) : std::next(it);
+  }
+  return file;
+}
+
+// What one forward_train + backward of the library gives: output and the grad.* tensors.
+template <class T>
+using Named = std::map<std::string, mha::Tensor<T>>;
+
+bool metadata_flag(const mha::io::SafetensorsFile& in, const std::string& key, bool fallback) {
+  const auto it = in.metadata.find(key);
+  return it == in.metadata.end() ? fallback : it->second == "1";
+}
+
+template <class T>
+mha::Mask<T> fixture_mask(const mha::io::SafetensorsFile& in, const std::string& name) {
+  const auto it = in.tensors.find(name);
+  if (it == in.tensors.end()) return mha::Mask<T>();
+  if (it->second.dtype == mha::io::Dtype::BOOL) {
+    return mha::Mask<T>::blocked_where_true(mha::io::to_bool_tensor(it->second, name));
+  }
+  return mha::Mask<T>::additive(mha::io::to_tensor<T>(it->second, name));
+}
+
+// Runs the fixture `in` through the library directly (not through mha_run), in T whatever the
+// file's dtype. With `shared`, query (whose values key and value then repeat) is passed as all
+// three arguments, as self-attention is called. Also checks that a second backward adds the
+// same parameter gradients again and that zero_grad clears them.
+template <class T>
+Named<T> library_gradients(const mha::io::SafetensorsFile& in, bool shared) {
+  const std::set<std::string> inputs = {"query",     "key",        "value", "key_padding_mask",
+                                        "attn_mask", "grad_output"};
+  std::map<std::string, mha::Tensor<T>> state;
+  for (const auto& entry : in.tensors) {
+    if (inputs.count(entry.first) == 0) {
+      state.emplace(entry.first, mha::io::to_tensor<T>(entry.second, entry.first));
+    }
+  }
+  auto layer = mha::MultiHeadAttention<T>::from_state_dict(
+      state, std::stol(in.metadata.at("num_heads")), metadata_flag(in, "add_zero_attn", false));
+  mha::ForwardOptions<T> options;
+  options.need_weights = metadata_flag(in, "need_weights", true);
+  options.average_attn_weights = metadata_flag(in, "average_attn_weights", true);
+  options.is_causal = metadata_flag(in, "is_causal", false);
+  const auto kernel = in.metadata.find("kernel");
+  if (kernel != in.metadata.end() && kernel->second == "reference") {
+    options.kernel = mha::Kernel::reference;
+  } else if (kernel != in.metadata.end() && kernel->second == "flash") {
+    options.kernel = mha::Kernel::flash;
+  }
+  options.key_padding_mask = fixture_mask<T>(in, "key_padding_mask");
+  options.attn_mask = fixture_mask<T>(in, "attn_mask");
+  const auto query = mha::io::to_tensor<T>(in.at("query"), "query");
+  const auto key = mha::io::to_tensor<T>(in.at("key"), "key");
+  const auto value = mha::io::to_tensor<T>(in.at("value"), "value");
+  const auto grad_output = mha::io::to_tensor<T>(in.at("grad_output"), "grad_output");
+
+  mha::SavedForward<T> saved;
+  const auto result = shared ? layer.forward_train(query, query, query, options, saved)
+                             : layer.forward_train(query, key, value, options, saved);
+  const mha::InputGradients<T> grads = layer.backward(saved, grad_output);
+  Named<T> out;
+  out.emplace("output", result.output);
+  out.emplace("grad.query", grads.query);
+  out.emplace("grad.key", grads.key);
+  out.emplace("grad.value", grads.value);
+  for (const auto& name : layer.parameter_names()) {
+    out.emplace("grad." + name, mha::Tensor<T>(layer.gradient(name)));
+  }
+
+  // PyTorch accumulates parameter gradients until zero_grad; so does the layer.
+  layer.backward(saved, grad_output);
+  for (const auto& name : layer.parameter_names()) {
+    INFO("second backward adds again: grad." << name);
+    mha::Tensor<T> twice = out.at("grad." + name);
+    for (mha::Index i = 0; i < twice.size(); ++i) twice.data()[i] *= T(2);
+    CHECK_GRADIENTS_CLOSE(mha::Tensor<T>(layer.gradient(name)), twice);
+  }
+  layer.zero_grad();
+  for (const auto& name : layer.parameter_names()) {
+    INFO("zero_grad: grad." << name);
+    const mha::Tensor<T> cleared(layer.gradient(name));
+    CHECK(cleared.flat().cwiseAbs().maxCoeff() == T(0));
+  }
+  return out;
+}
+
+bool same_values(const mha::io::StoredTensor& a, const mha::io::StoredTensor& b) {
+  return a.dtype == b.dtype && a.shape == b.shape && a.bytes == b.bytes;
+}
+
+template <class T>
+void check_against_torch(const Named<T>& actual, const mha::io::SafetensorsFile& expected) {
+  // The same tensors on both sides (attn_weights aside, which the forward tests compare).
+  std::set<std::string> missing, extra;
+  for (const auto& entry : actual) extra.insert(entry.first);
+  for (const auto& entry : expected.tensors) {
+    if (entry.first != "attn_weights" && extra.erase(entry.first) == 0) {
+      missing.insert(entry.first);
+    }
+  }
+  for (const auto& name : missing) FAIL_CHECK("the library gives no " << name);
+  for (const auto& name : extra) FAIL_CHECK("the library gives " << name << ", torch does not");
+  for (const auto& entry : expected.tensors) {
+    if (entry.first == "attn_weights" || actual.count(entry.first) == 0) continue;
+    INFO("tensor " << entry.first);
+    const auto e = mha::io::to_tensor<T>(entry.second, entry.first);
+    if (is_gradient(entry.first)) {
+      CHECK_GRADIENTS_CLOSE(actual.at(entry.first), e);
+    } else {
+      CHECK_TENSORS_CLOSE(actual.at(entry.first), e);
+    }
+  }
+}
+
 }  // namespace
 
 TEST_CASE("outputs and weights equal PyTorch's on every reference fixture", "[reference]") {
@@ -45,10 +177,8 @@ TEST_CASE("outputs and weights equal PyTorch's on every reference fixture", "[re
   REQUIRE(names.size() >= 30);
   for (const auto& name : names) {
     INFO("fixture " << name << " (" << MHA_REFERENCE_DIR << "/" << name << ".in.safetensors)");
-    const auto in =
-        mha::io::read_safetensors(std::string(MHA_REFERENCE_DIR) + "/" + name + ".in.safetensors");
-    const auto expected = mha::io::read_safetensors(std::string(MHA_REFERENCE_DIR) + "/" + name +
-                                                    ".expected.safetensors");
+    const auto in = forward_only(read_fixture(name, "in"));
+    const auto expected = forward_only(read_fixture(name, "expected"));
     const auto out = mha::tools::run_multihead_attention(in);
     REQUIRE(out.tensors.size() == expected.tensors.size());
     for (const auto& entry : expected.tensors) {
@@ -68,10 +198,8 @@ TEST_CASE("outputs and weights equal PyTorch's on every reference fixture", "[re
 TEST_CASE("the flash kernel's outputs equal PyTorch's on every reference fixture", "[reference]") {
   for (const auto& name : fixture_names()) {
     INFO("fixture " << name);
-    auto in =
-        mha::io::read_safetensors(std::string(MHA_REFERENCE_DIR) + "/" + name + ".in.safetensors");
-    const auto expected = mha::io::read_safetensors(std::string(MHA_REFERENCE_DIR) + "/" + name +
-                                                    ".expected.safetensors");
+    auto in = forward_only(read_fixture(name, "in"));
+    const auto expected = read_fixture(name, "expected");
     in.metadata["kernel"] = "flash";
     in.metadata["need_weights"] = "0";
     const auto out = mha::tools::run_multihead_attention(in);
@@ -91,8 +219,7 @@ TEST_CASE("the flash kernel's outputs equal PyTorch's on every reference fixture
 TEST_CASE("float results are within float rounding of the same inputs computed in double",
           "[reference]") {
   for (const auto& name : fixture_names()) {
-    const auto in =
-        mha::io::read_safetensors(std::string(MHA_REFERENCE_DIR) + "/" + name + ".in.safetensors");
+    const auto in = forward_only(read_fixture(name, "in"));
     if (in.at("query").dtype != mha::io::Dtype::F32) continue;
     INFO("fixture " << name);
     mha::io::SafetensorsFile widened = in;
@@ -107,6 +234,57 @@ TEST_CASE("float results are within float rounding of the same inputs computed i
       INFO("tensor " << entry.first);
       CHECK_TENSORS_CLOSE_TOL(mha::io::to_tensor<double>(single.at(entry.first), entry.first),
                               mha::io::to_tensor<double>(entry.second, entry.first), 1e-5, 1e-6);
+    }
+  }
+}
+
+TEST_CASE("gradients equal PyTorch autograd's on every grad_* reference fixture",
+          "[reference][gradients]") {
+  std::vector<std::string> names;
+  for (const auto& name : fixture_names()) {
+    if (name.rfind("grad_", 0) == 0) names.push_back(name);
+  }
+  // generate.py writes 33 gradient configurations (the issue asks for at least 20).
+  REQUIRE(names.size() >= 24);
+  int shared_runs = 0;
+  for (const auto& name : names) {
+    INFO("fixture " << name << " (" << MHA_REFERENCE_DIR << "/" << name << ".in.safetensors)");
+    const auto in = read_fixture(name, "in");
+    const auto expected = read_fixture(name, "expected");
+    REQUIRE(in.tensors.count("grad_output") == 1);
+    // Self-attention fixtures hold equal query, key and value: then also pass one tensor three
+    // times, as self-attention is called, and still get the three gradients apart.
+    const bool self =
+        same_values(in.at("query"), in.at("key")) && same_values(in.at("query"), in.at("value"));
+    for (const bool shared : self ? std::vector<bool>{false, true} : std::vector<bool>{false}) {
+      INFO((shared ? "query passed as query, key and value" : "query, key, value apart"));
+      if (shared) ++shared_runs;
+      if (in.at("query").dtype == mha::io::Dtype::F32) {
+        check_against_torch(library_gradients<float>(in, shared), expected);
+      } else {
+        check_against_torch(library_gradients<double>(in, shared), expected);
+      }
+    }
+  }
+  CHECK(shared_runs >= 2);
+}
+
+// As for the outputs above: torch's float32 gradients carry torch's rounding, which the 1e-5
+// tolerance must absorb (it uses up to 14% of it on these fixtures, against float64). The same
+// inputs through the library in double are the truth for the library's own float rounding,
+// held to 3e-6 of each tensor's scale.
+TEST_CASE("float gradients are within float rounding of the same inputs computed in double",
+          "[reference][gradients]") {
+  for (const auto& name : fixture_names()) {
+    if (name.rfind("grad_", 0) != 0) continue;
+    const auto in = read_fixture(name, "in");
+    if (in.at("query").dtype != mha::io::Dtype::F32) continue;
+    INFO("fixture " << name);
+    const auto single = library_gradients<float>(in, false);
+    const auto exact = library_gradients<double>(in, false);
+    for (const auto& entry : exact) {
+      INFO("tensor " << entry.first);
+      CHECK_GRADIENTS_CLOSE_TOL(single.at(entry.first), entry.second, 3e-6);
     }
   }
 }

@@ -1,5 +1,6 @@
 // What mha_run does, as a function: one safetensors file in (a PyTorch nn.MultiheadAttention's
-// state_dict, its inputs, masks and options), one out (its output and attention weights).
+// state_dict, its inputs, masks and options, optionally an upstream gradient), one out (its
+// output and attention weights, and then the gradients).
 // Kept apart from main() so the tests run the same code in-process on every fixture.
 #pragma once
 
@@ -14,8 +15,9 @@ namespace mha::tools {
 
 inline const char* const kMhaRunHelp = R"(usage: mha_run IN.safetensors OUT.safetensors
 
-Runs torch.nn.MultiheadAttention(batch_first=True) forward in C++ with the mha library, so that
-an attention layer exported from PyTorch can be checked to give the same numbers.
+Runs torch.nn.MultiheadAttention(batch_first=True) forward (and, given grad_output, backward) in
+C++ with the mha library, so that an attention layer exported from PyTorch can be checked to give
+the same numbers.
 
 IN holds:
   parameters under their state_dict names: in_proj_weight [3E, E] (or q_proj_weight [E, E],
@@ -26,17 +28,24 @@ IN holds:
   key_padding_mask [B, S] ([S] unbatched), optional
   attn_mask [L, S] or [B*H, L, S] ([H, L, S] unbatched), optional
     masks are BOOL with true = blocked (PyTorch MHA's convention), or float, added to the scores.
+  grad_output, the shape of output ([B, L, E] or [L, E]), optional: the upstream gradient.
   __metadata__: num_heads (required), and each "0" or "1": add_zero_attn (default 0),
     need_weights (default 1), average_attn_weights (default 1), is_causal (default 0: when 1, the
     top-left causal mask, key j > query i blocked, is applied on top of any attn_mask);
     kernel: auto (default: flash without weights, reference with), reference or flash
     (flash cannot return weights, so it needs need_weights "0").
 The dtype of query decides the arithmetic: F32 computes in float, F64 in double. key, value and
-float masks must have that dtype too; parameters may be F32, F64, F16 or BF16 (converted).
+float masks and grad_output must have that dtype too; parameters may be F32, F64, F16 or BF16
+(converted).
 
 OUT holds output (the rank of query) and, when need_weights is 1, attn_weights: [B, L, S'] averaged
 over heads or [B, H, L, S'] per head (no B axis when unbatched), S' = S + add_bias_kv + add_zero_attn.
 Where every key of a query row is blocked in a head, its weights and output are 0 (PyTorch: NaN).
+With grad_output, OUT also holds the gradients of loss = sum(output * grad_output), as PyTorch's
+autograd gives them with dropout 0: grad.query, grad.key and grad.value (the shapes of query, key
+and value; reported apart even when the three hold the same values, their sum is then the gradient
+of the shared tensor), and grad.<name> for every parameter in IN (in_proj_weight, in_proj_bias,
+out_proj.weight, ...), in the parameter's shape and in query's dtype. Masks get no gradient.
 
 Exit status 0 on success; 1 with one line on stderr for any bad input or file.
 )";
@@ -44,8 +53,8 @@ Exit status 0 on success; 1 with one line on stderr for any bad input or file.
 namespace detail {
 
 inline const std::set<std::string>& input_names() {
-  static const std::set<std::string> names = {"query", "key", "value", "key_padding_mask",
-                                              "attn_mask"};
+  static const std::set<std::string> names = {
+      "query", "key", "value", "key_padding_mask", "attn_mask", "grad_output"};
   return names;
 }
 
@@ -109,8 +118,8 @@ io::SafetensorsFile run_as(const io::SafetensorsFile& in) {
     if (input_names().count(entry.first) == 0) parameter_names.push_back(entry.first);
   }
   const auto state = io::read_state_dict<T>(in, parameter_names);
-  const auto layer = MultiHeadAttention<T>::from_state_dict(state, num_heads(in),
-                                                            flag(in, "add_zero_attn", false));
+  auto layer = MultiHeadAttention<T>::from_state_dict(state, num_heads(in),
+                                                      flag(in, "add_zero_attn", false));
   ForwardOptions<T> options;
   options.need_weights = flag(in, "need_weights", true);
   options.average_attn_weights = flag(in, "average_attn_weights", true);
@@ -118,11 +127,37 @@ io::SafetensorsFile run_as(const io::SafetensorsFile& in) {
   options.kernel = kernel(in);
   options.key_padding_mask = read_mask<T>(in, "key_padding_mask");
   options.attn_mask = read_mask<T>(in, "attn_mask");
-  const auto result = layer.forward(read_input<T>(in, "query"), read_input<T>(in, "key"),
-                                    read_input<T>(in, "value"), options);
+  const Tensor<T> query = read_input<T>(in, "query");
+  const Tensor<T> key = read_input<T>(in, "key");
+  const Tensor<T> value = read_input<T>(in, "value");
   io::SafetensorsFile out;
-  out.tensors["output"] = io::from_tensor(result.output);
-  if (options.need_weights) out.tensors["attn_weights"] = io::from_tensor(result.attn_weights);
+  const auto write_forward = [&](const ForwardResult<T>& result) {
+    out.tensors["output"] = io::from_tensor(result.output);
+    if (options.need_weights) out.tensors["attn_weights"] = io::from_tensor(result.attn_weights);
+  };
+  if (in.tensors.count("grad_output") == 0) {
+    write_forward(layer.forward(query, key, value, options));
+    return out;
+  }
+
+  const Tensor<T> grad_output = read_input<T>(in, "grad_output");
+  SavedForward<T> saved;
+  const auto result = layer.forward_train(query, key, value, options, saved);
+  // Checked here, after the forward has checked everything else, so that a wrong query is
+  // reported as such rather than as a grad_output of the wrong shape.
+  if (grad_output.shape() != result.output.shape()) {
+    mha::detail::throw_shape(
+        "grad_output", mha::detail::format_shape(result.output.shape()) + " (the shape of output)",
+        grad_output.shape());
+  }
+  write_forward(result);
+  const InputGradients<T> grads = layer.backward(saved, grad_output);
+  out.tensors["grad.query"] = io::from_tensor(grads.query);
+  out.tensors["grad.key"] = io::from_tensor(grads.key);
+  out.tensors["grad.value"] = io::from_tensor(grads.value);
+  for (const std::string& name : layer.parameter_names()) {
+    out.tensors["grad." + name] = io::from_tensor(layer.gradient(name));
+  }
   return out;
 }
 

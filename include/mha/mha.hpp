@@ -6,6 +6,7 @@
 #pragma once
 
 #include "mha/attention.hpp"
+#include "mha/diagnostics.hpp"
 #include "mha/errors.hpp"
 #include "mha/heads.hpp"
 #include "mha/init.hpp"

@@ -31,6 +31,7 @@
 
 #include "mha/attention.hpp"
 #include "mha/init.hpp"
+#include "mha/kernels/gemm.hpp"
 #include "mha/mask.hpp"
 #include "mha/parameters.hpp"
 #include "mha/tensor.hpp"
@@ -407,11 +408,13 @@ class MultiHeadAttention {
 
     // output = attended W_oᵀ + b_o
     const auto grad_out = grad_output.matrix();
-    grads_.out_proj_weight.matrix().noalias() += grad_out.transpose() * forward.attended;
+    detail::threaded_product(grads_.out_proj_weight.matrix(), grad_out.transpose(),
+                             forward.attended, detail::Accumulate::yes);
     if (config_.bias) grads_.out_proj_bias.flat() += grad_out.colwise().sum().transpose();
     Matrix<T>& grad_attended = saved.grad_attended_;
     grad_attended.resize(rows, embed);
-    grad_attended.noalias() = grad_out * params_.out_proj_weight.matrix();
+    detail::threaded_product(grad_attended, grad_out, params_.out_proj_weight.matrix(),
+                             detail::Accumulate::no);
 
     // the heads: gradients of q, k and v in buffers laid out as the forward's projections
     const T* q_data;
@@ -465,12 +468,14 @@ class MultiHeadAttention {
     grads.value = Tensor<T>(plan.fused ? saved.query_.shape() : saved.value_.shape());
     if (plan.fused) {
       const auto input = saved.query_.matrix();
-      grads_.in_proj_weight.matrix().noalias() += saved.grad_qkv_.transpose() * input;
+      detail::threaded_product(grads_.in_proj_weight.matrix(), saved.grad_qkv_.transpose(), input,
+                               detail::Accumulate::yes);
       if (config_.bias) grads_.in_proj_bias.flat() += saved.grad_qkv_.colwise().sum().transpose();
       Tensor<T>* input_grads[] = {&grads.query, &grads.key, &grads.value};
       for (int which = 0; which < 3; ++which) {
-        input_grads[which]->matrix().noalias() =
-            saved.grad_qkv_.middleCols(which * embed, embed) * weight_rows(which);
+        detail::threaded_product(input_grads[which]->matrix(),
+                                 saved.grad_qkv_.middleCols(which * embed, embed),
+                                 weight_rows(which), detail::Accumulate::no);
       }
       return grads;
     }
@@ -597,7 +602,8 @@ class MultiHeadAttention {
       // [B*L, 3E]: heads read q, k and v at column offsets 0, E and 2E.
       Matrix<T>& qkv = workspace.qkv;
       qkv.resize(batch * query_len, 3 * embed);
-      qkv.noalias() = query.matrix() * params_.in_proj_weight.matrix().transpose();
+      detail::threaded_product(qkv, query.matrix(), params_.in_proj_weight.matrix().transpose(),
+                               detail::Accumulate::no);
       if (config_.bias) qkv.rowwise() += params_.in_proj_bias.flat().transpose();
       q_data = qkv.data();
       k_data = q_data + embed;
@@ -606,7 +612,8 @@ class MultiHeadAttention {
     } else {
       // q [B*L, E]; k, v [B*S', E] with the extra rows after each batch's S projected rows.
       workspace.q.resize(batch * query_len, embed);
-      workspace.q.noalias() = query.matrix() * weight_rows(0).transpose();
+      detail::threaded_product(workspace.q, query.matrix(), weight_rows(0).transpose(),
+                               detail::Accumulate::no);
       add_bias(workspace.q, 0);
       project_keys(key, 1, batch, plan.key_len, total_keys, params_.bias_k, workspace.k);
       project_keys(value, 2, batch, plan.key_len, total_keys, params_.bias_v, workspace.v);
@@ -629,7 +636,8 @@ class MultiHeadAttention {
 
     result.output.resize(plan.query_shape);
     auto output = result.output.matrix();
-    output.noalias() = workspace.attended * params_.out_proj_weight.matrix().transpose();
+    detail::threaded_product(output, workspace.attended,
+                             params_.out_proj_weight.matrix().transpose(), detail::Accumulate::no);
     if (config_.bias) output.rowwise() += params_.out_proj_bias.flat().transpose();
 
     if (!options.need_weights) {
@@ -661,19 +669,22 @@ class MultiHeadAttention {
           grad_rows.colwise().sum();
     };
     if (total_rows == rows) {  // no extra rows: one GEMM over every batch
-      grad_weight.noalias() += grad_y.transpose() * input.matrix();
+      detail::threaded_product(grad_weight, grad_y.transpose(), input.matrix(),
+                               detail::Accumulate::yes);
       accumulate_bias(grad_y);
-      grad_input.matrix().noalias() = grad_y * weight;
+      detail::threaded_product(grad_input.matrix(), grad_y, weight, detail::Accumulate::no);
       return;
     }
     Tensor<T>& grad_extra = which == 1 ? grads_.bias_k : grads_.bias_v;
     for (Index b = 0; b < batch; ++b) {
       const auto grad_rows = grad_y.middleRows(b * total_rows, rows);
       const Eigen::Map<const Matrix<T>> input_rows(input.data() + b * rows * width, rows, width);
-      grad_weight.noalias() += grad_rows.transpose() * input_rows;
+      detail::threaded_product(grad_weight, grad_rows.transpose(), input_rows,
+                               detail::Accumulate::yes);
       accumulate_bias(grad_rows);
-      Eigen::Map<Matrix<T>>(grad_input.data() + b * rows * width, rows, width).noalias() =
-          grad_rows * weight;
+      detail::threaded_product(
+          Eigen::Map<Matrix<T>>(grad_input.data() + b * rows * width, rows, width), grad_rows,
+          weight, detail::Accumulate::no);
       // The zero row is a constant: its gradient goes nowhere.
       if (config_.add_bias_kv && which > 0) {
         grad_extra.flat() += grad_y.row(b * total_rows + rows).transpose();
@@ -762,15 +773,16 @@ class MultiHeadAttention {
     projected.resize(batch * total_keys, embed);
     const auto weight = weight_rows(which);
     if (total_keys == key_len) {  // no extra rows: one GEMM over every batch
-      projected.noalias() = input.matrix() * weight.transpose();
+      detail::threaded_product(projected, input.matrix(), weight.transpose(),
+                               detail::Accumulate::no);
       add_bias(projected, which);
       return;
     }
     for (Index b = 0; b < batch; ++b) {
       auto rows = projected.middleRows(b * total_keys, key_len);
-      rows.noalias() =
-          Eigen::Map<const Matrix<T>>(input.data() + b * key_len * width, key_len, width) *
-          weight.transpose();
+      detail::threaded_product(
+          rows, Eigen::Map<const Matrix<T>>(input.data() + b * key_len * width, key_len, width),
+          weight.transpose(), detail::Accumulate::no);
       add_bias(rows, which);
       Index next = b * total_keys + key_len;
       if (config_.add_bias_kv) projected.row(next++) = extra_row.flat().transpose();

@@ -5,9 +5,14 @@ For every case NAME two safetensors files are written:
 
   NAME.in.safetensors        the input of `mha_run IN OUT`: module parameters under their
                              state_dict names, query/key/value, optional masks, and metadata
-                             num_heads, add_zero_attn, need_weights, average_attn_weights, is_causal.
+                             num_heads, add_zero_attn, need_weights, average_attn_weights, is_causal
+                             (and kernel in a few cases).  Gradient cases (grad_*) also hold
+                             grad_output, the shape of output.
   NAME.expected.safetensors  `output` and (need_weights=1) `attn_weights` as returned by torch,
-                             the same metadata plus a "description".
+                             the same metadata plus a "description".  Gradient cases also hold
+                             torch autograd's gradients of loss = (output * grad_output).sum():
+                             grad.query, grad.key, grad.value (shapes of the inputs) and
+                             grad.<name> for every parameter (its shape).
 
 Usage:
   /usr/bin/python3 tests/reference/generate.py [--out DIR]            # the committed fixtures
@@ -43,6 +48,24 @@ beforehand into a form 1.13 handles exactly as 2.x does. Behaviour of torch 1.13
   * Fully masked query rows give NaN in torch (the library gives 0): masks are redrawn until no row
     (per batch, head and query) has every key blocked.  With add_bias_kv or add_zero_attn there is
     always an unblocked extra column, so such rows cannot occur.
+
+Gradients (the grad_* cases, and random cases whose Spec has grad=True):
+
+  * Same module, same eval mode (dropout 0, so no randomness and no fast path), same masks as the
+    forward above; then (output * grad_output).sum().backward().  Parameter gradients are the .grad
+    of the state_dict parameters, each starting from None (nothing accumulated).
+  * query, key and value are three separate leaf tensors even in self-attention cases (whose three
+    tensors hold equal values), so torch reports each argument's gradient apart, as mha does; the
+    gradient wrt one shared tensor would be their sum.  (In 1.13 this also means the unfused
+    projection path; numerically the same products.)
+  * The mask workarounds above hold for gradients too: masks are constants.  A float
+    key_padding_mask folded into attn_mask carries no gradient, and neither does any mask in mha.
+  * grad_output ~ normal(0, 1) comes from its own random stream (seeded with [seed, "grad"]), drawn
+    after everything else, so the forward half of a case is the same with or without gradients and
+    the fixtures without gradients are unchanged byte for byte.
+  * need_weights=1 makes mha run its reference kernel, need_weights=0 its flash kernel; a few cases
+    set metadata kernel=reference (or flash) with need_weights=0.  The weights torch returns are
+    not part of the loss.  Two "tiles" cases have more queries and keys than one flash block.
 """
 
 import argparse
@@ -61,6 +84,9 @@ import torch.nn as nn
 
 _NP_TO_ST = {np.dtype(np.float32): "F32", np.dtype(np.float64): "F64", np.dtype(np.bool_): "BOOL"}
 _ST_TO_NP = {"F32": np.dtype("<f4"), "F64": np.dtype("<f8"), "BOOL": np.dtype(np.bool_)}
+
+# Second seed word of grad_output's random stream (ASCII "grad").
+_GRAD_STREAM = 0x67726164
 
 
 def safetensors_bytes(tensors, metadata=None):
@@ -163,11 +189,13 @@ class Spec:
     def __init__(self, name, description, dtype="f32", B=2, L=4, S=None, E=8, H=2, kdim=None,
                  vdim=None, bias=True, add_bias_kv=False, add_zero_attn=False, self_attn=False,
                  attn_mask=None, attn_inf=False, kpm=None, kpm_inf=False, is_causal=False,
-                 need_weights=True, average=True, meta="full", seed=None):
+                 need_weights=True, average=True, meta="full", seed=None, kernel=None, grad=False):
         assert dtype in ("f32", "f64")
         assert attn_mask in (None, "bool2d", "bool3d", "float2d", "float3d")
         assert kpm in (None, "bool", "float")
         assert meta in ("full", "minimal")
+        assert kernel in (None, "auto", "reference", "flash")
+        assert kernel != "flash" or not need_weights, name
         self.name, self.description, self.dtype = name, description, dtype
         self.B, self.L, self.E, self.H = B, L, E, H
         self.S = L if S is None else S
@@ -180,6 +208,8 @@ class Spec:
         self.attn_mask, self.attn_inf, self.kpm, self.kpm_inf = attn_mask, attn_inf, kpm, kpm_inf
         self.is_causal, self.need_weights, self.average = is_causal, need_weights, average
         self.meta = meta
+        self.kernel = kernel  # None: no "kernel" key in the metadata (mha_run's default, auto)
+        self.grad = grad  # also write grad_output and torch's gradients
         assert E % H == 0, name
         self.seed = zlib.crc32(name.encode()) if seed is None else seed
 
@@ -189,10 +219,12 @@ class Spec:
                 "need_weights": "1" if self.need_weights else "0",
                 "average_attn_weights": "1" if self.average else "0",
                 "is_causal": "1" if self.is_causal else "0"}
+        if self.kernel is not None:
+            full["kernel"] = self.kernel
         if self.meta == "full":
             return full
         defaults = {"add_zero_attn": "0", "need_weights": "1", "average_attn_weights": "1", "is_causal": "0"}
-        return {k: v for k, v in full.items() if k == "num_heads" or defaults[k] != v}
+        return {k: v for k, v in full.items() if k in ("num_heads", "kernel") or defaults[k] != v}
 
     def summary(self):
         parts = [self.dtype, "unbatched" if self.B is None else f"B={self.B}",
@@ -216,6 +248,10 @@ class Spec:
             parts.append("no-weights")
         elif not self.average:
             parts.append("per-head")
+        if self.kernel is not None:
+            parts.append("kernel=" + self.kernel)
+        if self.grad:
+            parts.append("grad")
         return " ".join(parts)
 
 
@@ -346,16 +382,29 @@ def build_case(spec):
         key = rng.normal(0.0, 1.0, lead + (S, kdim)).astype(fdt)
         value = rng.normal(0.0, 1.0, lead + (S, vdim)).astype(fdt)
     attn_mask, kpm = _draw_masks(spec, rng, fdt)
+    grad_output = None
+    if spec.grad:
+        # A stream of its own, so that a case's forward half is the same with or without gradients.
+        grad_rng = np.random.default_rng([spec.seed, _GRAD_STREAM])
+        grad_output = grad_rng.normal(0.0, 1.0, lead + (L, E)).astype(fdt)
 
     # torch computation
-    tq = torch.from_numpy(query)
-    tk = tq if spec.self_attn else torch.from_numpy(key)
-    tv = tq if spec.self_attn else torch.from_numpy(value)
+    if spec.grad:
+        # Three separate leaves (equal values for self-attention), so that torch reports the
+        # gradient of each argument, as the library and mha_run do.
+        tq, tk, tv = (torch.from_numpy(x.copy()).requires_grad_() for x in (query, key, value))
+    else:
+        tq = torch.from_numpy(query)
+        tk = tq if spec.self_attn else torch.from_numpy(key)
+        tv = tq if spec.self_attn else torch.from_numpy(value)
     am, kp = _torch_masks(spec, attn_mask, kpm, tdt)
     with torch.enable_grad():  # keeps 1.13 off its fast path
         assert all(p.requires_grad for p in mha.parameters())
         out, weights = mha(tq, tk, tv, key_padding_mask=kp, need_weights=spec.need_weights,
                            attn_mask=am, average_attn_weights=spec.average)
+        if spec.grad:
+            assert all(p.grad is None for p in mha.parameters())
+            (out * torch.from_numpy(grad_output)).sum().backward()
     out = out.detach().numpy().astype(fdt)
     assert out.shape == lead + (L, E), (spec.name, out.shape)
     expected = {"output": out}
@@ -367,6 +416,15 @@ def build_case(spec):
         expected["attn_weights"] = weights
     else:
         assert weights is None
+    if spec.grad:
+        for n, t in (("query", tq), ("key", tk), ("value", tv)):
+            expected["grad." + n] = t.grad.numpy().astype(fdt)
+        state = mha.state_dict(keep_vars=True)
+        for n in sorted(params):
+            assert state[n].grad is not None, (spec.name, n)
+            expected["grad." + n] = state[n].grad.numpy().astype(fdt)
+        for n, x in list(params.items()) + [("query", query), ("key", key), ("value", value)]:
+            assert expected["grad." + n].shape == x.shape, (spec.name, n)
     for n, t in expected.items():
         if not np.isfinite(t).all():
             raise RuntimeError(f"{spec.name}: {n} has non-finite values")
@@ -375,6 +433,8 @@ def build_case(spec):
     inputs["query"] = query
     inputs["key"] = key
     inputs["value"] = value
+    if grad_output is not None:
+        inputs["grad_output"] = grad_output
     if kpm is not None:
         inputs["key_padding_mask"] = kpm
     if attn_mask is not None:
@@ -545,6 +605,110 @@ def fixed_cases():
     ]
 
 
+def gradient_cases():
+    """Cases that also hold grad_output and torch's gradients (see the module docstring).
+
+    need_weights=1 runs the library's reference kernel, need_weights=0 its flash kernel (unless
+    kernel=reference); the two "tiles" cases have more queries and keys than one flash block.
+    """
+    def G(name, description, **kw):
+        return Spec(name, description, grad=True, **kw)
+    return [
+        # self-attention: query, key and value hold the same values
+        G("grad_f32_self_basic", "self-attention (equal query/key/value), packed, biases, weights",
+          dtype="f32", B=2, L=5, E=8, H=2, self_attn=True),
+        G("grad_f64_self_flash", "self-attention (equal query/key/value), need_weights=0",
+          dtype="f64", B=2, L=5, E=8, H=2, self_attn=True, need_weights=False),
+        G("grad_f64_self_no_bias_reference", "self-attention, bias=False, need_weights=0, kernel=reference",
+          dtype="f64", B=2, L=4, E=8, H=2, self_attn=True, bias=False, need_weights=False, kernel="reference"),
+        # cross-attention, L != S, bias on / off
+        G("grad_f32_cross_L_lt_S_flash", "cross-attention, L < S, need_weights=0",
+          dtype="f32", B=2, L=3, S=6, E=8, H=2, need_weights=False),
+        G("grad_f64_cross_L_gt_S_per_head", "cross-attention, L > S, H=4, per-head weights",
+          dtype="f64", B=2, L=7, S=3, E=8, H=4, average=False),
+        G("grad_f32_no_bias_cross", "bias=False, cross-attention",
+          dtype="f32", B=2, L=4, S=5, E=8, H=2, bias=False),
+        # kdim / vdim
+        G("grad_f32_kdim_vdim", "kdim=5, vdim=3 (q/k/v_proj_weight)",
+          dtype="f32", B=2, L=4, S=6, E=8, H=2, kdim=5, vdim=3),
+        G("grad_f64_kdim_vdim_flash", "kdim=6, vdim=11, H=4, need_weights=0",
+          dtype="f64", B=2, L=3, S=5, E=8, H=4, kdim=6, vdim=11, need_weights=False),
+        G("grad_f32_kdim_only_no_bias_flash", "only kdim differs, bias=False, need_weights=0, kernel=flash",
+          dtype="f32", B=2, L=4, S=4, E=8, H=2, kdim=6, bias=False, need_weights=False, kernel="flash"),
+        # add_bias_kv / add_zero_attn
+        G("grad_f64_bias_kv", "add_bias_kv",
+          dtype="f64", B=2, L=4, S=5, E=8, H=2, add_bias_kv=True),
+        G("grad_f32_bias_kv_flash", "add_bias_kv, need_weights=0",
+          dtype="f32", B=2, L=4, S=5, E=8, H=2, add_bias_kv=True, need_weights=False),
+        G("grad_f64_zero_attn_flash", "add_zero_attn, need_weights=0",
+          dtype="f64", B=2, L=4, S=3, E=8, H=2, add_zero_attn=True, need_weights=False),
+        G("grad_f32_bias_kv_zero_attn_kdim_vdim", "add_bias_kv + add_zero_attn, kdim=5, vdim=7, per head",
+          dtype="f32", B=2, L=3, S=4, E=8, H=2, kdim=5, vdim=7, add_bias_kv=True, add_zero_attn=True,
+          average=False),
+        # attn_mask
+        G("grad_f32_attn_mask_bool_2d_flash", "bool attn_mask [L,S], need_weights=0",
+          dtype="f32", B=2, L=5, S=6, E=8, H=2, attn_mask="bool2d", need_weights=False),
+        G("grad_f64_attn_mask_bool_3d_per_head", "bool attn_mask [B*H,L,S], per-head weights",
+          dtype="f64", B=2, L=4, S=5, E=8, H=2, attn_mask="bool3d", average=False),
+        G("grad_f32_attn_mask_float_2d_inf", "float attn_mask [L,S] with -inf entries",
+          dtype="f32", B=2, L=4, S=5, E=8, H=2, attn_mask="float2d", attn_inf=True),
+        G("grad_f64_attn_mask_float_3d_inf_flash", "float attn_mask [B*H,L,S] with -inf, need_weights=0",
+          dtype="f64", B=2, L=4, S=6, E=12, H=3, attn_mask="float3d", attn_inf=True, need_weights=False),
+        # key_padding_mask, both masks
+        G("grad_f32_kpm_bool_reference", "bool key_padding_mask, need_weights=0, kernel=reference",
+          dtype="f32", B=2, L=4, S=6, E=8, H=2, kpm="bool", need_weights=False, kernel="reference"),
+        G("grad_f64_kpm_float_inf", "float key_padding_mask with -inf (2.x semantics)",
+          dtype="f64", B=2, L=3, S=5, E=8, H=2, kpm="float", kpm_inf=True),
+        G("grad_f32_masks_bool3d_kpm_float_flash", "bool attn_mask [B*H,L,S] + float kpm (folded for torch), "
+          "need_weights=0",
+          dtype="f32", B=2, L=4, S=5, E=8, H=2, attn_mask="bool3d", kpm="float", need_weights=False),
+        G("grad_f64_masks_float2d_kpm_bool", "float attn_mask [L,S] + bool kpm, per-head weights",
+          dtype="f64", B=2, L=4, S=6, E=8, H=2, attn_mask="float2d", kpm="bool", average=False),
+        # is_causal
+        G("grad_f32_causal_self_flash", "is_causal, self-attention (equal values), need_weights=0",
+          dtype="f32", B=2, L=6, E=8, H=2, is_causal=True, self_attn=True, need_weights=False),
+        G("grad_f64_causal_L_lt_S_kpm_float", "is_causal, L < S, float kpm",
+          dtype="f64", B=2, L=3, S=7, E=8, H=2, is_causal=True, kpm="float"),
+        G("grad_f32_causal_L_gt_S_bias_kv_zero_attn_flash", "is_causal, L > S, add_bias_kv + add_zero_attn, "
+          "need_weights=0",
+          dtype="f32", B=2, L=6, S=4, E=8, H=2, is_causal=True, add_bias_kv=True, add_zero_attn=True,
+          need_weights=False),
+        # unbatched
+        G("grad_f32_unbatched", "unbatched query [L,E], key/value [S,E]",
+          dtype="f32", B=None, L=4, S=5, E=8, H=2),
+        G("grad_f64_unbatched_bool3d_kpm_float_causal_self_flash", "unbatched self-attention, bool attn_mask "
+          "[H,L,S] + float kpm [S] + causal, need_weights=0",
+          dtype="f64", B=None, L=5, E=8, H=2, attn_mask="bool3d", kpm="float", is_causal=True, self_attn=True,
+          need_weights=False),
+        G("grad_f32_unbatched_kdim_vdim_bias_kv_zero_attn_flash", "unbatched, kdim/vdim, add_bias_kv, "
+          "add_zero_attn, need_weights=0",
+          dtype="f32", B=None, L=3, S=4, E=8, H=2, kdim=3, vdim=5, add_bias_kv=True, add_zero_attn=True,
+          need_weights=False),
+        # H = 1, D = 1, L = 1
+        G("grad_f64_single_head_L1", "H=1, L=1, bool kpm",
+          dtype="f64", B=2, L=1, S=5, E=6, H=1, kpm="bool"),
+        G("grad_f32_head_dim_1_flash", "D=1 (E == H), float attn_mask [L,S], need_weights=0",
+          dtype="f32", B=2, L=4, S=5, E=4, H=4, attn_mask="float2d", need_weights=False),
+        # everything at once
+        G("grad_f32_everything_flash", "kdim/vdim, bias_kv, zero_attn, float attn_mask [B*H,L,S] (-inf), "
+          "float kpm (-inf), causal, need_weights=0",
+          dtype="f32", B=2, L=5, S=6, E=12, H=3, kdim=7, vdim=4, add_bias_kv=True, add_zero_attn=True,
+          attn_mask="float3d", attn_inf=True, kpm="float", kpm_inf=True, is_causal=True, need_weights=False),
+        G("grad_f64_everything_no_bias", "bias=False, kdim/vdim, bias_kv, zero_attn, bool attn_mask "
+          "[B*H,L,S], bool kpm, causal, per head",
+          dtype="f64", B=2, L=6, S=5, E=8, H=2, kdim=9, vdim=3, bias=False, add_bias_kv=True,
+          add_zero_attn=True, attn_mask="bool3d", kpm="bool", is_causal=True, average=False),
+        # more queries and keys than one flash block (64 queries x 256 keys)
+        G("grad_f32_tiles_causal_kpm_bool_flash", "L=130, S=300 (several flash blocks), causal, bool kpm, "
+          "need_weights=0",
+          dtype="f32", B=1, L=130, S=300, E=4, H=2, is_causal=True, kpm="bool", need_weights=False),
+        G("grad_f64_tiles_bias_kv_zero_attn_kpm_float_flash", "L=70, S=260 (several flash blocks), "
+          "bias_kv, zero_attn, float kpm (-inf), need_weights=0",
+          dtype="f64", B=1, L=70, S=260, E=4, H=2, add_bias_kv=True, add_zero_attn=True, kpm="float",
+          kpm_inf=True, need_weights=False),
+    ]
+
+
 # ----------------------------------------------------------------------------------------------
 # random configurations (out-of-sample checks)
 
@@ -603,7 +767,8 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0, help="seed for --random (default: %(default)s)")
     args = ap.parse_args(argv)
 
-    specs = random_specs(args.random, args.seed) if args.random is not None else fixed_cases()
+    specs = random_specs(args.random, args.seed) if args.random is not None else \
+        fixed_cases() + gradient_cases()
     names = [s.name for s in specs]
     assert len(names) == len(set(names)), "duplicate case names"
     os.makedirs(args.out, exist_ok=True)
