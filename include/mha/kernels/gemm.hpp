@@ -4,9 +4,13 @@
 // Why not Eigen's own OpenMP GEMM: it chooses its depth blocking (kc) from the number of threads,
 // and so the order in which each element's sum is accumulated, and the rounding, change with the
 // thread count (measured: outputs differing by 1e-7 between 1 and 2 threads at E = 512). Here the
-// rows of the result are cut into chunks whose size depends only on the shape, and each chunk is
-// one serial Eigen product (inside a parallel region Eigen never threads), whose blocking depends
-// only on the depth: every element is summed the same way whatever the thread count.
+// result is cut into at most 8 slabs of rows or of columns (whichever dimension is larger), by a
+// rule that looks only at the shape, and each slab is one serial Eigen product (inside a parallel
+// region Eigen never threads). Each element is then computed by the same arithmetic whatever the
+// thread count. (The slabs must not depend on the thread count: Eigen's cache blocking and its
+// edge paths depend on a product's shape, and they decide the order of each element's sum.)
+// Splitting the larger dimension keeps the smaller operand, packed once per slab, the one that is
+// re-read; up to 8 slabs keep 2, 4 or 8 threads busy.
 #pragma once
 
 #include <algorithm>
@@ -18,25 +22,32 @@ namespace detail {
 
 enum class Accumulate { no, yes };
 
-// dst [M, N] = (or +=) lhs [M, K] * rhs [K, N]; any Eigen expressions with row blocks (maps,
-// transposes). The chunk size, a multiple of 8 rows from 32 to 256, gives about 8 chunks: enough
-// for the threads, few enough that re-packing rhs per chunk stays a small cost (rhs is packed
-// once per chunk, an extra K·N per 32..256·K·N multiply-adds).
+// dst [M, N] = (or +=) lhs [M, K] * rhs [K, N]; any Eigen expressions with row and column blocks
+// (maps, transposes, blocks).
 template <class Dst, class Lhs, class Rhs>
 void threaded_product(Dst&& dst, const Lhs& lhs, const Rhs& rhs, Accumulate accumulate) {
-  const Index rows = dst.rows();
-  const Index chunk = std::clamp<Index>((rows / 8 + 7) / 8 * 8, 32, 256);
-  const Index chunks = (rows + chunk - 1) / chunk;
-  // With more than one thread available, always inside a parallel region, even for one chunk:
+  constexpr Index kMaxSlabs = 8, kMinSlab = 32;
+  const bool by_rows = dst.rows() >= dst.cols();
+  const Index extent = by_rows ? dst.rows() : dst.cols();
+  const Index width =
+      std::max(kMinSlab, ((extent + kMaxSlabs - 1) / kMaxSlabs + 7) / 8 * 8);  // multiple of 8
+  const Index slabs = (extent + width - 1) / width;
+  const auto product = [&](auto&& dst_slab, const auto& lhs_slab, const auto& rhs_slab) {
+    if (accumulate == Accumulate::yes) {
+      dst_slab.noalias() += lhs_slab * rhs_slab;
+    } else {
+      dst_slab.noalias() = lhs_slab * rhs_slab;
+    }
+  };
+  // With more than one thread available, always inside a parallel region, even for one slab:
   // outside one, Eigen would thread a large product itself. With one, Eigen does not thread.
   MHA_OMP_PRAGMA(omp parallel for schedule(static) if (max_threads() > 1))
-  for (Index c = 0; c < chunks; ++c) {
-    const Index row0 = c * chunk, count = std::min(chunk, rows - row0);
-    auto dst_rows = dst.middleRows(row0, count);
-    if (accumulate == Accumulate::yes) {
-      dst_rows.noalias() += lhs.middleRows(row0, count) * rhs;
+  for (Index slab = 0; slab < slabs; ++slab) {
+    const Index start = slab * width, count = std::min(width, extent - start);
+    if (by_rows) {
+      product(dst.middleRows(start, count), lhs.middleRows(start, count), rhs);
     } else {
-      dst_rows.noalias() = lhs.middleRows(row0, count) * rhs;
+      product(dst.middleCols(start, count), lhs, rhs.middleCols(start, count));
     }
   }
 }
