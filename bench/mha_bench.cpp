@@ -1,9 +1,10 @@
 // Google Benchmark suite. Names: forward/<kernel>/B:<b>/L:<l>/E:<e>/H:<h> for the whole layer,
-// sdpa/<kernel>/... for the attention core alone, gemm/N:<n> for the GEMM ceiling in the same
-// run. FLOPs per batch element (self-attention, L = S = n, width E): projections 8·n·E², core
-// 4·n²·E; the GFLOPS counter uses these counts. The peak_extra_MiB counter is the most heap
-// memory one call held above what was allocated before it (inputs and the layer excluded,
-// outputs included), from counting malloc/free in this binary (glibc).
+// train/<kernel>/... for one training step of it (forward_train + backward), sdpa/<kernel>/...
+// for the attention core alone, gemm/N:<n> for the GEMM ceiling in the same run. FLOPs per batch
+// element (self-attention, L = S = n, width E): projections 8·n·E², core 4·n²·E; the GFLOPS
+// counter uses these counts (three times them for train/, see train below). The peak_extra_MiB
+// counter is the most heap memory one call held above what was allocated before it (inputs and
+// the layer excluded, outputs included), from counting malloc/free in this binary (glibc).
 #include <benchmark/benchmark.h>
 #include <malloc.h>
 
@@ -127,6 +128,44 @@ void forward(benchmark::State& state, mha::Kernel kernel) {
   set_flops(state, static_cast<double>(B) * (8 * n * e * e + 4 * n * n * e));
 }
 
+// One training step of self-attention: forward_train(x), then backward with a fixed random
+// grad_output; need_weights = false. One SavedForward serves every iteration, so its buffers are
+// reused. zero_grad runs outside the timing (paused), as compare_pytorch.py zeroes torch's
+// gradients outside its own. peak_extra_MiB is measured on the first step, so it counts what
+// SavedForward keeps for backward (input copy, projections, heads' outputs, log-sum-exp), the
+// backward's buffers, the kernels' scratch, the output and the input gradients; the parameters'
+// gradients are allocated (by zero_grad) before it, like the parameters themselves.
+// FLOPs: 3 × the forward's, the usual forward + backward count (every product y = a b has two
+// gradient products, grad_a and grad_b). Both kernels' backward also recompute the scores q kᵀ
+// (flash tile by tile from the saved log-sum-exp, reference per head into its [L, S'] scratch),
+// so the work done is B·(24·L·E² + 14·L²·E): up to 1/6 more than counted as L grows.
+void train(benchmark::State& state, mha::Kernel kernel) {
+  const mha::Index B = state.range(0), L = state.range(1), E = state.range(2), H = state.range(3);
+  mha::MultiHeadAttention<float> layer(E, H);
+  const auto x = random_tensor({B, L, E}, 1);
+  const auto grad_output = random_tensor({B, L, E}, 2);
+  mha::ForwardOptions<float> options;
+  options.need_weights = false;
+  options.kernel = kernel;
+  mha::SavedForward<float> saved;
+  const auto step = [&] {
+    auto result = layer.forward_train(x, options, saved);
+    auto grads = layer.backward(saved, grad_output);
+    benchmark::DoNotOptimize(result.output.data());
+    benchmark::DoNotOptimize(grads.query.data());
+  };
+  layer.zero_grad();
+  report_peak_memory(state, step);
+  for (auto _ : state) {
+    state.PauseTiming();
+    layer.zero_grad();
+    state.ResumeTiming();
+    step();
+  }
+  const double n = static_cast<double>(L), e = static_cast<double>(E);
+  set_flops(state, 3 * static_cast<double>(B) * (8 * n * e * e + 4 * n * n * e));
+}
+
 void sdpa(benchmark::State& state, mha::Kernel kernel) {
   const mha::Index B = state.range(0), L = state.range(1), E = state.range(2), H = state.range(3);
   const mha::Index D = E / H;
@@ -189,6 +228,23 @@ void with_configs(benchmark::internal::Benchmark* b, const std::set<Config>& con
 void default_shapes(benchmark::internal::Benchmark* b) {
   with_configs(b, std::set<Config>(kDefaultConfigs.begin(), kDefaultConfigs.end()));
 }
+// Training: the default configurations and L = 128 ... max_length at E = 512, H = 8.
+std::set<Config> train_configs(std::int64_t max_length) {
+  std::set<Config> configs(kDefaultConfigs.begin(), kDefaultConfigs.end());
+  for (std::int64_t l = 128; l <= 8192; l *= 2) configs.insert({1, l, 512, 8});
+  for (auto it = configs.begin(); it != configs.end();) {
+    it = (*it)[1] > max_length ? configs.erase(it) : std::next(it);
+  }
+  return configs;
+}
+// The reference backward holds two [L, S'] matrices per thread (P and dS): 128 MiB per thread at
+// L = 4096, 512 MiB at 8192.
+void train_reference_shapes(benchmark::internal::Benchmark* b) {
+  with_configs(b, train_configs(4096));
+}
+void train_shapes(benchmark::internal::Benchmark* b) {
+  with_configs(b, train_configs(8192));
+}
 // The reference kernel stores H·L² scores: up to L = 4096 (512 MiB at H = 8).
 void reference_shapes(benchmark::internal::Benchmark* b) {
   with_configs(b, all_configs(4096));
@@ -205,6 +261,11 @@ BENCHMARK_CAPTURE(forward, reference, mha::Kernel::reference)
 BENCHMARK_CAPTURE(forward, flash, mha::Kernel::flash)->Name("forward/flash")->Apply(sweep_shapes);
 BENCHMARK_CAPTURE(forward, auto, mha::Kernel::automatic) -> Name("forward/auto")
     -> Apply(sweep_shapes);
+BENCHMARK_CAPTURE(train, reference, mha::Kernel::reference)
+    ->Name("train/reference")
+    ->Apply(train_reference_shapes);
+BENCHMARK_CAPTURE(train, flash, mha::Kernel::flash)->Name("train/flash")->Apply(train_shapes);
+BENCHMARK_CAPTURE(train, auto, mha::Kernel::automatic) -> Name("train/auto") -> Apply(train_shapes);
 BENCHMARK_CAPTURE(sdpa, reference, mha::Kernel::reference)
     ->Name("sdpa/reference")
     ->Apply(default_shapes);

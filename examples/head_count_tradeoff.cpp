@@ -34,36 +34,14 @@ struct Row {
   double ms_per_step = 0;
 };
 
-int usage(const char* program, int code) {
-  std::fprintf(code == 0 ? stdout : stderr,
-               "usage: %s [--seed N] [--steps N]\n"
-               "  --seed N   seed of the initialisation and of the training data (default 1)\n"
-               "  --steps N  training steps for each head count (default %td)\n",
-               program, kDefaultSteps);
-  return code;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   specialization::ModelConfig config;
   Index steps = kDefaultSteps;
-  for (int k = 1; k < argc; ++k) {
-    const bool has_value = k + 1 < argc;
-    if (std::strcmp(argv[k], "--help") == 0 || std::strcmp(argv[k], "-h") == 0) {
-      return usage(argv[0], 0);
-    } else if (std::strcmp(argv[k], "--seed") == 0 && has_value) {
-      const char* text = argv[++k];
-      char* end = nullptr;
-      config.seed = std::strtoull(text, &end, 10);
-      if (end == text || *end != '\0') return usage(argv[0], 2);
-    } else if (std::strcmp(argv[k], "--steps") == 0 && has_value) {
-      steps = specialization::parse_count(argv[++k]);
-      if (steps == 0) return usage(argv[0], 2);
-    } else {
-      return usage(argv[0], 2);
-    }
-  }
+  const int exit_code = specialization::parse_arguments(
+      argc, argv, "training steps for each head count", config.seed, steps);
+  if (exit_code >= 0) return exit_code;
 
   const int threads = specialization::choose_threads();
   std::printf(

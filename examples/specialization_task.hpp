@@ -44,6 +44,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <utility>
@@ -564,6 +565,38 @@ inline Index parse_count(const char* text) {
   char* end = nullptr;
   const long long value = std::strtoll(text, &end, 10);
   return end != text && *end == '\0' && value > 0 ? static_cast<Index>(value) : 0;
+}
+
+// The command line both examples take: --seed N, --steps N, --help. Fills seed and steps and
+// returns -1 to go on; otherwise prints the usage (steps_meaning says what a step counts) and
+// returns the exit code: 0 after --help, 2 for a bad argument.
+inline int parse_arguments(int argc, char** argv, const char* steps_meaning, std::uint64_t& seed,
+                           Index& steps) {
+  const auto usage = [&](int code) {
+    std::fprintf(code == 0 ? stdout : stderr,
+                 "usage: %s [--seed N] [--steps N]\n"
+                 "  --seed N   seed of the initialisation and of the training data (default 1)\n"
+                 "  --steps N  %s (default %td)\n",
+                 argv[0], steps_meaning, steps);
+    return code;
+  };
+  for (int k = 1; k < argc; ++k) {
+    const bool has_value = k + 1 < argc;
+    if (std::strcmp(argv[k], "--help") == 0 || std::strcmp(argv[k], "-h") == 0) {
+      return usage(0);
+    } else if (std::strcmp(argv[k], "--seed") == 0 && has_value) {
+      const char* text = argv[++k];
+      char* end = nullptr;
+      seed = std::strtoull(text, &end, 10);
+      if (end == text || *end != '\0') return usage(2);
+    } else if (std::strcmp(argv[k], "--steps") == 0 && has_value) {
+      steps = parse_count(argv[++k]);
+      if (steps == 0) return usage(2);
+    } else {
+      return usage(2);
+    }
+  }
+  return -1;
 }
 
 // The held-out batch every evaluation uses: drawn from its own seed, never trained on.

@@ -136,6 +136,22 @@ Comparison compare_gradients(const mha::Tensor<T>& actual, const mha::Tensor<U>&
   return compare_gradients<T, U>(actual.view(), expected.view(), rtol);
 }
 
+// The message of the Exception that f throws, or "(nothing thrown)": for checks on a part of a
+// message with the macros common to Catch2 v2 and v3.
+template <class Exception, class F>
+std::string message_of(F&& f) {
+  try {
+    f();
+  } catch (const Exception& e) {
+    return e.what();
+  }
+  return "(nothing thrown)";
+}
+
+inline bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
 }  // namespace mha_test
 
 // CHECK that two tensors agree, printing the shape mismatch or the worst element.

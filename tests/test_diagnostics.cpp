@@ -23,19 +23,8 @@ namespace {
 template <class T>
 constexpr double kTol = std::is_same<T, float>::value ? 2e-5 : 1e-12;
 
-template <class Exception, class F>
-std::string message_of(F&& f) {
-  try {
-    f();
-  } catch (const Exception& e) {
-    return e.what();
-  }
-  return "(nothing thrown)";
-}
-
-bool contains(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
-}
+using mha_test::contains;
+using mha_test::message_of;
 
 // weights [B, H, L, S] -> per head, the mean row entropy (or entropy / log n) over the rows with
 // at least one nonzero weight, by the definition.

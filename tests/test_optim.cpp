@@ -32,19 +32,8 @@ using mha::Tensor;
 
 namespace {
 
-template <class Exception, class F>
-std::string message_of(F&& f) {
-  try {
-    f();
-  } catch (const Exception& e) {
-    return e.what();
-  }
-  return "(nothing thrown)";
-}
-
-bool contains(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
-}
+using mha_test::contains;
+using mha_test::message_of;
 
 // The same rounding-error bound for every optimiser fixture and both scalar types: an element
 // goes through at most about ten roundings of relative size u (the unit roundoff of T) per step,
