@@ -1,11 +1,13 @@
 #!/usr/bin/python3
-"""Compare mha's forward pass with PyTorch's nn.MultiheadAttention, alternating the two in one run.
+"""Compare mha's forward pass, or its training step, with PyTorch's nn.MultiheadAttention,
+alternating the two in one run.
 
 Usage (Debian's python3-torch, so /usr/bin/python3, not the python3 first on PATH):
 
     /usr/bin/python3 bench/compare_pytorch.py --mha-bench build/bench/mha_bench \
-        [--threads 2] [--kernel auto] [--sweep heads|length|default] [--repeats 5] [--rounds 2] \
-        [--json out.json] [--max-seconds-per-config 20] [--max-length N] [--config B,L,E,H ...]
+        [--mode forward|train] [--threads 2] [--kernel auto] [--sweep heads|length|default] \
+        [--repeats 5] [--rounds 2] [--json out.json] [--max-seconds-per-config 20] \
+        [--max-length N] [--config B,L,E,H ...] [--no-torch-memory]
 
 Sweeps (self-attention, L = S):
     default  (B,L,E,H) = (1,128,768,12) (8,128,512,8) (1,1024,512,8) (1,2048,512,8) (1,4096,512,8)
@@ -14,16 +16,36 @@ Sweeps (self-attention, L = S):
 --config B,L,E,H (repeatable) replaces the sweep; --max-length drops configurations with a longer L.
 
 For each configuration, in --rounds rounds, alternately (so both sides see the same machine load):
-  * torch: nn.MultiheadAttention(E, H, batch_first=True).eval(), torch.inference_mode(),
-    need_weights=False, fp32 randn input (x, x, x), torch.set_num_threads(threads); one warm-up call
-    (timed: it drives the --max-seconds-per-config guard), then --repeats timed calls per round.
-    Reported: the median of all timed calls.
-  * mha: `mha_bench --benchmark_filter=^forward/<kernel>/B:<b>/L:<l>/E:<e>/H:<h>$
+  * torch, --mode forward (the default): nn.MultiheadAttention(E, H, batch_first=True).eval(),
+    torch.inference_mode(), need_weights=False, fp32 randn input (x, x, x).
+    --mode train: the same layer in train mode (dropout 0), x requiring grad, a fixed randn
+    grad_output g; one call is `out, _ = layer(x, x, x, need_weights=False); out.backward(g)`,
+    and the gradients are zeroed before each call, outside the timing, keeping their buffers
+    (zero_grad(set_to_none=False), x.grad.zero_()) so that backward adds into them, as mha's does.
+    Both modes: torch.set_num_threads(threads); one warm-up call (timed: it drives the
+    --max-seconds-per-config guard), then --repeats timed calls per round. Reported: the median of
+    all timed calls.
+  * mha: `mha_bench --benchmark_filter=^<mode>/<kernel>/B:<b>/L:<l>/E:<e>/H:<h>$
     --benchmark_repetitions=<repeats> --benchmark_report_aggregates_only=true
     --benchmark_format=json` in a child with OMP_NUM_THREADS=<threads>. Reported: the median over
-    rounds of the "median" aggregate's real_time.
-GFLOP/s use FLOPs = B·(8·L·E² + 4·L²·E) on both sides (mha_bench's own GFLOPS counter is kept in
-the JSON as mha_bench_gflops). ratio = torch ms / mha ms, so > 1 means mha is faster.
+    rounds of the "median" aggregate's real_time. train/<kernel> times forward_train + backward
+    with zero_grad outside the timing (see bench/mha_bench.cpp).
+GFLOP/s use FLOPs = B·(8·L·E² + 4·L²·E) on both sides, three times that in train mode (the usual
+forward + backward count; mha's backward also recomputes the scores, see mha_bench.cpp), and
+mha_bench's own GFLOPS counter is kept in the JSON as mha_bench_gflops. ratio = torch ms / mha
+ms, so > 1 means mha is faster.
+
+Memory, in train mode: mha's is mha_bench's peak_extra_MiB counter (the heap one step held above
+what existed before it, every malloc counted; outputs and input gradients included, parameter
+gradients not). torch's is measured once per configuration after the timed rounds (so the
+profiler cannot disturb them), on one more step under torch.profiler with profile_memory=True:
+the most bytes torch's CPU tensor allocator held during the step beyond what it held before,
+from the profiler's allocation records. That sees every tensor (the output, autograd's saved
+tensors, the temporaries, the input's new gradient) but not memory torch's libraries allocate
+outside its allocator (OpenBLAS's buffers, the autograd graph), so it is a lower bound on torch's
+heap growth. getrusage's maxrss is a process-wide high-water mark (it cannot go down between
+configurations) and tracemalloc does not see torch's allocator, hence the profiler.
+--no-torch-memory skips it; forward mode does not measure memory.
 
 Thread control on the torch side: Debian's torch 1.13 runs its GEMMs in OpenBLAS (pthreads build),
 which ignores torch.set_num_threads and starts one thread per CPU, and its OpenMP threads spin
@@ -34,7 +56,8 @@ sets, in its own process only, OPENBLAS_NUM_THREADS=<threads> and OMP_WAIT_POLIC
 environment plus OMP_NUM_THREADS=<threads> and any --mha-env KEY=VALUE.
 
 Guards, so that a sweep stays bounded on a shared machine:
-  * torch memory: peak estimated as B·H·L²·4 bytes·2 (the score matrix and its softmax); the torch
+  * torch memory: peak estimated as B·H·L²·4 bytes·2 (the score matrix and its softmax), ·3 in
+    train mode (the saved softmax, its gradient and the scores' gradient, as measured); the torch
     side is skipped when that exceeds half of MemAvailable (/proc/meminfo, read per configuration).
   * time: the torch side is skipped when its warm-up call exceeds --max-seconds-per-config, or when
     a previous configuration with the same (B, E, H) and a shorter L predicts (scaled by FLOPs) a
@@ -89,8 +112,13 @@ def flops(b, l, e):
     return b * (8 * l * e * e + 4 * l * l * e)
 
 
-def bench_name(kernel, b, l, e, h):
-    return f"forward/{kernel}/B:{b}/L:{l}/E:{e}/H:{h}"
+def step_flops(mode, b, l, e):
+    """A forward's FLOPs, or a training step's: three times the forward's."""
+    return (3 if mode == "train" else 1) * flops(b, l, e)
+
+
+def bench_name(mode, kernel, b, l, e, h):
+    return f"{mode}/{kernel}/B:{b}/L:{l}/E:{e}/H:{h}"
 
 
 class SetupError(Exception):
@@ -179,8 +207,8 @@ class MhaBench:
                 pass  # the child already exited, or the limit is not allowed: run unlimited
 
     def run(self, name, repeats, timeout):
-        """One mha_bench child for one benchmark. Returns a dict with status "ok" (and ms, gflops),
-        "not registered", "timeout" or "failed" (and detail)."""
+        """One mha_bench child for one benchmark. Returns a dict with status "ok" (and ms, gflops,
+        peak_mib), "not registered", "timeout" or "failed" (and detail)."""
         command = [self.path, f"--benchmark_filter=^{name}$", f"--benchmark_repetitions={repeats}",
                    "--benchmark_report_aggregates_only=true", "--benchmark_format=json",
                    *self.extra_args]
@@ -233,6 +261,7 @@ class MhaBench:
             chosen = medians[0]
             ms = chosen["real_time"] * TIME_UNIT_TO_MS[chosen.get("time_unit", "ns")]
             gflops = chosen.get("GFLOPS")
+            peak_mib = chosen.get("peak_extra_MiB")
         else:  # --benchmark_repetitions=1 reports the single run, no aggregates
             runs = [entry for entry in entries if entry.get("run_type", "iteration") == "iteration"]
             if not runs:
@@ -240,7 +269,8 @@ class MhaBench:
             ms = statistics.median(entry["real_time"] * TIME_UNIT_TO_MS[entry.get("time_unit", "ns")]
                                    for entry in runs)
             gflops = statistics.median(entry.get("GFLOPS", math.nan) for entry in runs)
-        return {"status": "ok", "ms": ms, "gflops": gflops}
+            peak_mib = statistics.median(entry.get("peak_extra_MiB", math.nan) for entry in runs)
+        return {"status": "ok", "ms": ms, "gflops": gflops, "peak_mib": peak_mib}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,6 +292,64 @@ class TorchSide:
             elapsed = time.perf_counter() - start
         del out
         return elapsed
+
+
+class TorchTrainSide:
+    """One training step: the forward in train mode (dropout 0), then the backward of a fixed
+    grad_output into the parameters' and the input's gradients."""
+
+    def __init__(self, torch, b, l, e, h, seed):
+        self.torch = torch
+        torch.manual_seed(seed)
+        self.layer = torch.nn.MultiheadAttention(e, h, batch_first=True).train()
+        self.x = torch.randn(b, l, e, dtype=torch.float32, requires_grad=True)
+        self.grad_output = torch.randn(b, l, e, dtype=torch.float32)
+
+    def zero_grad(self):
+        # Keeps the gradient buffers, so that backward adds into them as mha's backward does.
+        self.layer.zero_grad(set_to_none=False)
+        if self.x.grad is not None:
+            self.x.grad.zero_()
+
+    def step(self):
+        out, _ = self.layer(self.x, self.x, self.x, need_weights=False)
+        out.backward(self.grad_output)
+        return out
+
+    def call_seconds(self):
+        self.zero_grad()
+        start = time.perf_counter()
+        out = self.step()
+        elapsed = time.perf_counter() - start
+        del out
+        return elapsed
+
+    def peak_bytes(self):
+        """The most bytes torch's CPU allocator held during one step beyond what it held before,
+        from torch.profiler's allocation records; None when this torch does not expose them."""
+        from torch.profiler import ProfilerActivity, profile
+        self.zero_grad()
+        gc.collect()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = self.step()
+            del out
+        try:  # torch 1.13's record tree; allocation records carry alloc_size (< 0 for a free)
+            roots = prof.profiler.kineto_results.experimental_event_tree()
+        except AttributeError:
+            return None
+        allocations, pending = [], list(roots)
+        while pending:
+            node = pending.pop()
+            pending.extend(node.children)
+            if hasattr(node.extra_fields, "alloc_size"):
+                allocations.append((node.start_time_ns, node.extra_fields.alloc_size))
+        if not allocations:
+            return None
+        in_use = peak = 0
+        for _, size in sorted(allocations):
+            in_use += size
+            peak = max(peak, in_use)
+        return peak
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,17 +378,23 @@ def fmt(value, spec):
 
 COLUMNS = [("config", 30, "<"), ("torch ms", 10, ">"), ("mha ms", 10, ">"), ("torch/mha", 9, ">"),
            ("torch GF/s", 10, ">"), ("mha GF/s", 9, ">"), ("status", 0, "<")]
+# Train mode adds each side's peak memory per step, before the status.
+TRAIN_COLUMNS = COLUMNS[:-1] + [("torch MiB", 9, ">"), ("mha MiB", 8, ">"), COLUMNS[-1]]
 
 
-def table_line(cells):
+def table_line(cells, columns):
     return "  ".join(format(cell, f"{align}{width}") if width else cell
-                     for cell, (_, width, align) in zip(cells, COLUMNS)).rstrip()
+                     for cell, (_, width, align) in zip(cells, columns)).rstrip()
 
 
-def row_cells(row):
+def row_cells(row, mode):
     config = f"B:{row['B']}/L:{row['L']}/E:{row['E']}/H:{row['H']}"
-    return [config, fmt(row["torch_ms"], ".2f"), fmt(row["mha_ms"], ".2f"), fmt(row["ratio"], ".2f"),
-            fmt(row["torch_gflops"], ".1f"), fmt(row["mha_gflops"], ".1f"), row["status"]]
+    cells = [config, fmt(row["torch_ms"], ".2f"), fmt(row["mha_ms"], ".2f"),
+             fmt(row["ratio"], ".2f"), fmt(row["torch_gflops"], ".1f"),
+             fmt(row["mha_gflops"], ".1f")]
+    if mode == "train":
+        cells += [fmt(row["torch_peak_mib"], ".1f"), fmt(row["mha_peak_mib"], ".1f")]
+    return cells + [row["status"]]
 
 
 def write_json(path, meta, rows):
@@ -324,10 +418,12 @@ def predicted_seconds(history, b, l, e, h):
 
 def measure(args, config, bench, torch, history):
     b, l, e, h = config
-    name = bench_name(args.kernel, b, l, e, h)
-    row = {"B": b, "L": l, "E": e, "H": h, "flops": flops(b, l, e), "benchmark": name,
-           "torch_ms": None, "mha_ms": None, "ratio": None, "torch_gflops": None,
-           "mha_gflops": None, "mha_bench_gflops": None, "torch_samples_ms": [],
+    train = args.mode == "train"
+    name = bench_name(args.mode, args.kernel, b, l, e, h)
+    row = {"B": b, "L": l, "E": e, "H": h, "flops": step_flops(args.mode, b, l, e),
+           "benchmark": name, "torch_ms": None, "mha_ms": None, "ratio": None,
+           "torch_gflops": None, "mha_gflops": None, "mha_bench_gflops": None,
+           "torch_peak_mib": None, "mha_peak_mib": None, "torch_samples_ms": [],
            "mha_round_medians_ms": [], "torch_status": "pending", "mha_status": "pending",
            "torch_detail": "", "mha_detail": ""}
 
@@ -341,7 +437,7 @@ def measure(args, config, bench, torch, history):
     torch_side = None
     if row["torch_status"] == "pending":
         available = mem_available_bytes()
-        peak = b * h * l * l * 4 * 2
+        peak = b * h * l * l * 4 * (3 if train else 2)
         guess = predicted_seconds(history["torch"], b, l, e, h)
         if available is not None and peak > available / 2:
             row["torch_status"] = "skipped (memory)"
@@ -353,7 +449,8 @@ def measure(args, config, bench, torch, history):
                                    f"{args.max_seconds_per_config:g} s")
         else:
             try:
-                torch_side = TorchSide(torch, b, l, e, h, args.seed)
+                side = TorchTrainSide if train else TorchSide
+                torch_side = side(torch, b, l, e, h, args.seed)
                 warmup = torch_side.call_seconds()
                 if warmup > args.max_seconds_per_config:
                     row["torch_status"] = "skipped (time)"
@@ -372,7 +469,7 @@ def measure(args, config, bench, torch, history):
                                  f"{args.max_seconds_per_config:g} s")
 
     mha_timeout = args.repeats * (args.max_seconds_per_config + 5) + 60
-    mha_gflops = []
+    mha_gflops, mha_peaks = [], []
     for _ in range(args.rounds):
         if torch_side is not None:
             try:
@@ -387,9 +484,16 @@ def measure(args, config, bench, torch, history):
             if result["status"] == "ok":
                 row["mha_round_medians_ms"].append(result["ms"])
                 mha_gflops.append(result["gflops"])
+                mha_peaks.append(result["peak_mib"])
             else:
                 row["mha_status"], row["mha_detail"] = result["status"], result["detail"]
             time.sleep(args.pause)
+    if train and args.torch_memory and torch_side is not None:
+        try:
+            peak = torch_side.peak_bytes()
+            row["torch_peak_mib"] = None if peak is None else peak / 2**20
+        except (RuntimeError, MemoryError) as error:
+            row["torch_detail"] = f"memory not measured: {str(error)[:200]}"
     del torch_side
     gc.collect()
 
@@ -404,6 +508,8 @@ def measure(args, config, bench, torch, history):
         row["mha_gflops"] = row["flops"] / (row["mha_ms"] * 1e-3) * 1e-9
         counters = [g for g in mha_gflops if g is not None and not math.isnan(g)]
         row["mha_bench_gflops"] = statistics.median(counters) if counters else None
+        peaks = [p for p in mha_peaks if p is not None and not math.isnan(p)]
+        row["mha_peak_mib"] = statistics.median(peaks) if peaks else None
         history["mha"][config] = row["mha_ms"] * 1e-3
     if row["torch_ms"] and row["mha_ms"]:
         row["ratio"] = row["torch_ms"] / row["mha_ms"]
@@ -422,11 +528,13 @@ def measure(args, config, bench, torch, history):
 
 def main():
     parser = argparse.ArgumentParser(
-        description="Time PyTorch nn.MultiheadAttention and mha_bench forward/<kernel>, alternating.",
+        description="Time PyTorch nn.MultiheadAttention and mha_bench <mode>/<kernel>, alternating.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--mha-bench", required=True, help="path to the mha_bench executable")
     parser.add_argument("--threads", type=int, default=nproc(),
                         help="threads for both sides (torch.set_num_threads, OMP_NUM_THREADS)")
+    parser.add_argument("--mode", choices=["forward", "train"], default="forward",
+                        help="time the forward pass, or a training step (forward + backward)")
     parser.add_argument("--kernel", default="auto", help="mha_bench kernel: reference, flash, auto")
     parser.add_argument("--sweep", choices=["default", "heads", "length"], default="default")
     parser.add_argument("--config", type=parse_config, action="append", metavar="B,L,E,H",
@@ -437,7 +545,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=2, help="alternating torch/mha rounds")
     parser.add_argument("--json", help="write all rows and the run's metadata to this file")
     parser.add_argument("--max-seconds-per-config", type=float, default=20.0,
-                        help="skip a side whose single forward call takes (or is predicted to take) longer")
+                        help="skip a side whose single call (a forward, or a training step) takes "
+                             "(or is predicted to take) longer")
     parser.add_argument("--skip-unregistered", action="store_true",
                         help="do not time torch for configs mha_bench does not register")
     parser.add_argument("--mha-arg", action="append", default=[], metavar="ARG",
@@ -451,6 +560,8 @@ def main():
                         help="OMP_WAIT_POLICY for this (torch) process; empty = leave as is")
     parser.add_argument("--pause", type=float, default=0.1,
                         help="seconds to sleep between the torch and mha halves of a round")
+    parser.add_argument("--no-torch-memory", dest="torch_memory", action="store_false",
+                        help="in train mode, do not measure torch's peak memory (profiler)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.threads < 1 or args.repeats < 1 or args.rounds < 1:
@@ -491,6 +602,7 @@ def main():
     command = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
     meta = {
         "sweep": "custom" if args.config else args.sweep,
+        "mode": args.mode,
         "kernel": args.kernel,
         "threads": args.threads,
         "repeats": args.repeats,
@@ -512,10 +624,13 @@ def main():
         "complete": False,
     }
 
-    print(f"# {len(configs)} configs, mha kernel '{args.kernel}', {args.threads} thread(s), "
-          f"{args.rounds} rounds x {args.repeats} repeats per side, alternating torch/mha")
-    print(table_line([c[0] for c in COLUMNS]))
-    print(table_line(["-" * max(w, len(n)) for n, w, _ in COLUMNS]), flush=True)
+    columns = TRAIN_COLUMNS if args.mode == "train" else COLUMNS
+    what = "training step" if args.mode == "train" else "forward"
+    print(f"# {len(configs)} configs, {what}, mha kernel '{args.kernel}', {args.threads} "
+          f"thread(s), {args.rounds} rounds x {args.repeats} repeats per side, alternating "
+          f"torch/mha")
+    print(table_line([c[0] for c in columns], columns))
+    print(table_line(["-" * max(w, len(n)) for n, w, _ in columns], columns), flush=True)
     rows = []
     history = {"torch": {}, "mha": {}}
     interrupted = False
@@ -523,7 +638,7 @@ def main():
         for config in configs:
             row = measure(args, config, bench, torch, history)
             rows.append(row)
-            print(table_line(row_cells(row)), flush=True)
+            print(table_line(row_cells(row, args.mode), columns), flush=True)
             if args.json:
                 meta["mha_bench_context"] = bench.context
                 write_json(args.json, meta, rows)

@@ -19,8 +19,14 @@
 // weights are 0. PyTorch MHA returns NaN there (pytorch#41508); SDPA, FlashAttention and ggml
 // return 0, and so does this library.
 //
+// Training (see "Training" in the class): forward_train keeps what backward needs in a
+// SavedForward the caller owns, and applies dropout; backward returns the inputs' gradients and
+// adds the parameters' into the layer's own gradient tensors, reachable by PyTorch name
+// (gradient(name), parameters()) until zero_grad.
+//
 // A layer may be shared by threads for concurrent forward calls: forward is const and keeps no
-// state between calls. Changing parameters while another thread runs forward is a data race.
+// state between calls. forward_train, backward and anything that changes parameters or
+// gradients are not: one thread at a time.
 #pragma once
 
 #include <cstdint>
