@@ -51,6 +51,12 @@ Trial random_trial(mha::Random& random, int index) {
     trial.config.kdim = pick(1, 5);
     trial.config.vdim = pick(1, 5);
   }
+  // Grouped-query attention in a third of the trials: H_kv any divisor of H.
+  if (chance(1.0 / 3)) {
+    do {
+      trial.config.num_kv_heads = pick(1, heads);
+    } while (heads % trial.config.num_kv_heads != 0);
+  }
   trial.config.dropout = chance(0.25) ? 0.3 : 0.0;
   trial.config.seed = static_cast<std::uint64_t>(index);
   trial.batched = chance(0.7);
@@ -62,9 +68,9 @@ Trial random_trial(mha::Random& random, int index) {
                                     : (chance(0.5) ? mha::Kernel::flash : mha::Kernel::reference);
   trial.description =
       "trial " + std::to_string(index) + ": E " + std::to_string(trial.config.embed_dim) + " H " +
-      std::to_string(heads) + " bias " + std::to_string(trial.config.bias) + " bias_kv " +
-      std::to_string(trial.config.add_bias_kv) + " zero_attn " +
-      std::to_string(trial.config.add_zero_attn) + " kdim/vdim " +
+      std::to_string(heads) + " H_kv " + std::to_string(trial.config.num_kv_heads) + " bias " +
+      std::to_string(trial.config.bias) + " bias_kv " + std::to_string(trial.config.add_bias_kv) +
+      " zero_attn " + std::to_string(trial.config.add_zero_attn) + " kdim/vdim " +
       std::to_string(trial.config.kdim) + "/" + std::to_string(trial.config.vdim) + " self " +
       std::to_string(trial.self_attention) + " batched " + std::to_string(trial.batched) + " B " +
       std::to_string(trial.batch) + " L " + std::to_string(trial.query_len) + " S " +
@@ -139,7 +145,7 @@ double relative_error(const mha::TensorView<const T>& actual,
 TEST_CASE("gradients equal central finite differences for every option", "[backward]") {
   using T = double;
   mha::Random random(4242);
-  for (int index = 0; index < 60; ++index) {
+  for (int index = 0; index < 80; ++index) {
     const Trial trial = random_trial(random, index);
     MultiHeadAttention<T> layer(trial.config);
     randomise(layer, 100 + static_cast<std::uint64_t>(index) * 10);
@@ -473,3 +479,59 @@ TEMPLATE_TEST_CASE("backward results do not depend on the number of threads", "[
   omp_set_num_threads(threads_before);
 }
 #endif
+
+TEMPLATE_TEST_CASE("sdpa with enable_gqa equals repeated key/value heads, forward and backward",
+                   "[backward][sdpa][gqa]", float, double) {
+  using T = TestType;
+  const Index B = 2, H = 6, L = 5, S = 7, D = 3, Dv = 4;
+  for (const Index kv_heads : {1, 2, 3}) {
+    const Index group = H / kv_heads;
+    const auto q = mha_test::random_tensor<T>({B, H, L, D}, 1);
+    const auto k = mha_test::random_tensor<T>({B, kv_heads, S, D}, 2);
+    const auto v = mha_test::random_tensor<T>({B, kv_heads, S, Dv}, 3);
+    const auto g = mha_test::random_tensor<T>({B, H, L, Dv}, 4);
+    // torch.repeat_interleave(k, group, dim=1): query head h gets key/value head h / group
+    Tensor<T> k_repeated({B, H, S, D}), v_repeated({B, H, S, Dv});
+    for (Index b = 0; b < B; ++b) {
+      for (Index h = 0; h < H; ++h) {
+        k_repeated[b][h].matrix() = k[b][h / group].matrix();
+        v_repeated[b][h].matrix() = v[b][h / group].matrix();
+      }
+    }
+    for (const auto kernel : {mha::Kernel::reference, mha::Kernel::flash}) {
+      mha::AttentionOptions<T> options;
+      options.kernel = kernel;
+      options.causal = mha::Causal::bottom_right;
+      options.dropout = 0.2;
+      options.dropout_seed = 3;
+      const auto full = mha::scaled_dot_product_attention(q, k_repeated, v_repeated, options);
+      const auto full_grads = mha::scaled_dot_product_attention_backward<T>(
+          q, k_repeated, v_repeated, full, g, options);
+      options.enable_gqa = true;
+      const auto grouped = mha::scaled_dot_product_attention(q, k, v, options);
+      const auto grouped_grads =
+          mha::scaled_dot_product_attention_backward<T>(q, k, v, grouped, g, options);
+      // The repeated heads' key/value gradients summed back onto the head they copy.
+      Tensor<T> key_grads({B, kv_heads, S, D}), value_grads({B, kv_heads, S, Dv});
+      for (Index b = 0; b < B; ++b) {
+        for (Index h = 0; h < H; ++h) {
+          key_grads[b][h / group].matrix() += full_grads.key[b][h].matrix();
+          value_grads[b][h / group].matrix() += full_grads.value[b][h].matrix();
+        }
+      }
+      INFO("H_kv " << kv_heads << " " << mha::kernel_name(kernel));
+      CHECK_TENSORS_CLOSE(grouped.output, full.output);
+      CHECK_GRADIENTS_CLOSE(grouped_grads.query, full_grads.query);
+      CHECK_GRADIENTS_CLOSE(grouped_grads.key, key_grads);
+      CHECK_GRADIENTS_CLOSE(grouped_grads.value, value_grads);
+    }
+  }
+  const auto q = mha_test::random_tensor<float>({2, 6, 5, 3}, 1);
+  const auto k = mha_test::random_tensor<float>({2, 4, 7, 3}, 2);
+  mha::AttentionOptions<float> options;
+  CHECK_THROWS_WITH(mha::scaled_dot_product_attention(q, k, k, options),
+                    "key: expected [2, 6, *, 3], got [2, 4, 7, 3]");
+  options.enable_gqa = true;
+  CHECK_THROWS_WITH(mha::scaled_dot_product_attention(q, k, k, options),
+                    "key: expected a number of heads dividing query's 6, got [2, 4, 7, 3]");
+}

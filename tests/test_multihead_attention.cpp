@@ -385,3 +385,89 @@ TEMPLATE_TEST_CASE("a reused workspace gives the same results and keeps its buff
   CHECK(workspace.q.data() == projected);
   CHECK(workspace.attended.data() == attended);
 }
+
+TEMPLATE_TEST_CASE("grouped-query attention equals MHA with each K/V head's projection repeated",
+                   "[mha][gqa]", float, double) {
+  using T = TestType;
+  const Index E = 12, H = 6, L = 4, S = 5;
+  for (const Index kv_heads : {1, 2, 3}) {
+    MultiHeadAttentionConfig config(E, H);
+    config.num_kv_heads = kv_heads;
+    config.add_bias_kv = kv_heads == 2;
+    config.add_zero_attn = kv_heads == 3;
+    const auto gqa = random_layer<T>(config, 40 + static_cast<std::uint64_t>(kv_heads));
+    const Index D = E / H, group = H / kv_heads;
+    CHECK(gqa.num_kv_heads() == kv_heads);
+    CHECK(gqa.kv_dim() == kv_heads * D);
+    CHECK(gqa.parameter("k_proj_weight").shape() == mha::Shape{kv_heads * D, E});
+    CHECK(gqa.parameter("in_proj_bias").shape() == mha::Shape{E + 2 * kv_heads * D});
+    // The same layer as plain MHA: key/value head g's rows (and bias entries) copied to every
+    // query head of its group, as torch's repeat_interleave on the projected heads.
+    MultiHeadAttentionConfig plain_config(E, H);
+    plain_config.add_bias_kv = config.add_bias_kv;
+    plain_config.add_zero_attn = config.add_zero_attn;
+    plain_config.kdim = E + 1;  // separate q/k/v weights, as the GQA layer has
+    plain_config.vdim = E + 1;
+    MultiHeadAttention<T> plain(plain_config);
+    const auto repeat_rows = [&](const Tensor<T>& rows_of_kv_heads, Index width) {
+      Tensor<T> repeated({E, width});
+      for (Index h = 0; h < H; ++h) {
+        repeated.matrix().middleRows(h * D, D) =
+            rows_of_kv_heads.matrix().middleRows((h / group) * D, D);
+      }
+      return repeated;
+    };
+    // kdim/vdim E + 1 in `plain`: a zero last column keeps the products equal.
+    const auto widen = [&](const Tensor<T>& weight) {
+      Tensor<T> wide({weight.dim(0), E + 1});
+      wide.matrix().leftCols(E) = weight.matrix();
+      return wide;
+    };
+    plain.set_parameter("q_proj_weight", gqa.parameter("q_proj_weight"));
+    plain.set_parameter("k_proj_weight",
+                        widen(repeat_rows(Tensor<T>(gqa.parameter("k_proj_weight")), E)));
+    plain.set_parameter("v_proj_weight",
+                        widen(repeat_rows(Tensor<T>(gqa.parameter("v_proj_weight")), E)));
+    const Tensor<T> gqa_bias(gqa.parameter("in_proj_bias"));
+    Tensor<T> bias({3 * E});
+    for (Index h = 0; h < H; ++h) {
+      const Index g = h / group;
+      bias.flat().segment(h * D, D) = gqa_bias.flat().segment(h * D, D);
+      bias.flat().segment(E + h * D, D) = gqa_bias.flat().segment(E + g * D, D);
+      bias.flat().segment(2 * E + h * D, D) = gqa_bias.flat().segment(E + kv_heads * D + g * D, D);
+    }
+    plain.set_parameter("in_proj_bias", bias);
+    if (config.add_bias_kv) {
+      for (const char* name : {"bias_k", "bias_v"}) {
+        const Tensor<T> extra(gqa.parameter(name));
+        Tensor<T> repeated({1, 1, E});
+        for (Index h = 0; h < H; ++h) {
+          repeated.flat().segment(h * D, D) = extra.flat().segment((h / group) * D, D);
+        }
+        plain.set_parameter(name, repeated);
+      }
+    }
+    plain.set_parameter("out_proj.weight", gqa.parameter("out_proj.weight"));
+    plain.set_parameter("out_proj.bias", gqa.parameter("out_proj.bias"));
+    const auto q = mha_test::random_tensor<T>({2, L, E}, 1);
+    const auto kv = mha_test::random_tensor<T>({2, S, E}, 2);
+    Tensor<T> kv_wide({2, S, E + 1});
+    for (Index b = 0; b < 2; ++b) kv_wide[b].matrix().leftCols(E) = kv[b].matrix();
+    for (const auto kernel : {mha::Kernel::reference, mha::Kernel::flash}) {
+      mha::ForwardOptions<T> options;
+      options.need_weights = kernel == mha::Kernel::reference;
+      options.average_attn_weights = false;
+      options.kernel = kernel;
+      options.is_causal = true;
+      const auto expected = plain.forward(q, kv_wide, kv_wide, options);
+      const auto actual = gqa.forward(q, kv, kv, options);
+      INFO("H_kv " << kv_heads << " " << mha::kernel_name(kernel));
+      CHECK_TENSORS_CLOSE(actual.output, expected.output);
+      if (options.need_weights) CHECK_TENSORS_CLOSE(actual.attn_weights, expected.attn_weights);
+    }
+  }
+  MultiHeadAttentionConfig bad(E, H);
+  bad.num_kv_heads = 4;
+  CHECK_THROWS_WITH(MultiHeadAttention<float>(bad),
+                    "num_kv_heads: must divide num_heads 6 (or be 0 for num_heads), got 4");
+}

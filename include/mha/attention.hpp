@@ -100,6 +100,9 @@ struct AttentionOptions {
   // weights in both kernels and in the backward.
   double dropout = 0;
   std::uint64_t dropout_seed = 0;
+  // Grouped-query attention, as SDPA's enable_gqa: key and value may have H_kv heads, any divisor
+  // of query's H; query head h reads key/value head h / (H / H_kv), never copied per query head.
+  bool enable_gqa = false;
 };
 
 template <class T>
@@ -119,13 +122,15 @@ namespace detail {
 // The checked shapes of a scaled_dot_product_attention call and the kernel options they imply.
 template <class T>
 struct AttentionProblem {
-  Shape leading;  // zero, one (H) or two (B, H) axes
-  Index batch = 1, heads = 1, query_len = 0, key_len = 0, head_dim = 0, value_dim = 0;
+  Shape leading;     // zero, one (H) or two (B, H) axes of query and the output
+  Shape kv_leading;  // the same for key and value: H_kv instead of H under grouped-query attention
+  Index batch = 1, heads = 1, kv_heads = 1, query_len = 0, key_len = 0, head_dim = 0, value_dim = 0;
   Kernel kernel = Kernel::automatic;
   CoreOptions<T> core;
 
-  Shape shape(Index rows, Index cols) const {
-    Shape result = leading;
+  Shape shape(Index rows, Index cols) const { return with_rows(leading, rows, cols); }
+  Shape kv_shape(Index rows, Index cols) const { return with_rows(kv_leading, rows, cols); }
+  static Shape with_rows(Shape result, Index rows, Index cols) {
     result.push_back(rows);
     result.push_back(cols);
     return result;
@@ -140,6 +145,13 @@ struct AttentionProblem {
   }
   HeadLayout<T> heads_of(T* data, Index rows, Index cols) const {
     return contiguous_heads(data, heads, rows, cols);
+  }
+  // Keys and values (or their gradients): H_kv stored heads, each read by H / H_kv query heads.
+  template <class Element>
+  HeadLayout<Element> kv_heads_of(Element* data, Index rows, Index cols) const {
+    HeadLayout<Element> layout = contiguous_heads(data, kv_heads, rows, cols);
+    layout.group = kv_heads > 0 ? heads / kv_heads : 1;
+    return layout;
   }
 };
 
@@ -156,12 +168,21 @@ AttentionProblem<T> attention_problem(const TensorView<const T>& query,
   problem.query_len = query.dim(rank - 2);
   problem.head_dim = query.dim(rank - 1);
   if (problem.head_dim == 0) throw_shape("query", "a head dimension D >= 1", query.shape());
-  check_shape("key", problem.shape(kAnyDim, problem.head_dim), key.shape());
-  problem.key_len = key.dim(rank - 2);
-  check_shape("value", problem.shape(problem.key_len, kAnyDim), value.shape());
-  problem.value_dim = value.dim(rank - 1);
   problem.batch = rank == 4 ? query.dim(0) : 1;
   problem.heads = rank >= 3 ? query.dim(rank - 3) : 1;
+  // With enable_gqa, key and value may have H_kv heads, any divisor of H (checked below).
+  problem.kv_leading = problem.leading;
+  if (options.enable_gqa && rank >= 3) problem.kv_leading[rank - 3] = kAnyDim;
+  check_shape("key", problem.kv_shape(kAnyDim, problem.head_dim), key.shape());
+  problem.key_len = key.dim(rank - 2);
+  problem.kv_heads = rank >= 3 ? key.dim(rank - 3) : 1;
+  if (problem.kv_heads == 0 ? problem.heads != 0 : problem.heads % problem.kv_heads != 0) {
+    throw_shape("key", "a number of heads dividing query's " + std::to_string(problem.heads),
+                key.shape());
+  }
+  if (rank >= 3) problem.kv_leading[rank - 3] = problem.kv_heads;
+  check_shape("value", problem.kv_shape(problem.key_len, kAnyDim), value.shape());
+  problem.value_dim = value.dim(rank - 1);
 
   problem.kernel = resolve_kernel(options.kernel, options.need_weights);
   check_dropout(options.dropout);
@@ -185,7 +206,8 @@ AttentionProblem<T> attention_problem(const TensorView<const T>& query,
 }  // namespace detail
 
 // query is [..., L, D], key [..., S, D], value [..., S, Dv], where "..." is the same zero, one
-// (H) or two (B, H) leading axes for all three. Every head is computed independently.
+// (H) or two (B, H) leading axes for all three (H_kv for key and value with enable_gqa). Every
+// head is computed independently.
 template <class T>
 AttentionResult<T> scaled_dot_product_attention(TensorView<const T> query, TensorView<const T> key,
                                                 TensorView<const T> value,
@@ -201,8 +223,8 @@ AttentionResult<T> scaled_dot_product_attention(TensorView<const T> query, Tenso
   std::vector<detail::KernelScratch<T>> scratch;
   detail::attention<T>(problem.kernel, problem.batch, problem.heads,
                        problem.heads_of(query.data(), query_len, problem.head_dim),
-                       problem.heads_of(key.data(), key_len, problem.head_dim),
-                       problem.heads_of(value.data(), key_len, problem.value_dim),
+                       problem.kv_heads_of(key.data(), key_len, problem.head_dim),
+                       problem.kv_heads_of(value.data(), key_len, problem.value_dim),
                        problem.heads_of(result.output.data(), query_len, problem.value_dim),
                        problem.core, options.need_weights ? result.weights.data() : nullptr,
                        scratch, result.logsumexp.data());
@@ -241,13 +263,13 @@ AttentionGradients<T> scaled_dot_product_attention_backward(
   detail::attention_backward<T>(
       problem.kernel, problem.batch, problem.heads,
       problem.heads_of(query.data(), query_len, problem.head_dim),
-      problem.heads_of(key.data(), key_len, problem.head_dim),
-      problem.heads_of(value.data(), key_len, problem.value_dim),
+      problem.kv_heads_of(key.data(), key_len, problem.head_dim),
+      problem.kv_heads_of(value.data(), key_len, problem.value_dim),
       problem.heads_of(result.output.data(), query_len, problem.value_dim),
       problem.heads_of(grad_output.data(), query_len, problem.value_dim), result.logsumexp.data(),
       problem.heads_of(grads.query.data(), query_len, problem.head_dim),
-      problem.heads_of(grads.key.data(), key_len, problem.head_dim),
-      problem.heads_of(grads.value.data(), key_len, problem.value_dim), problem.core, scratch);
+      problem.kv_heads_of(grads.key.data(), key_len, problem.head_dim),
+      problem.kv_heads_of(grads.value.data(), key_len, problem.value_dim), problem.core, scratch);
   return grads;
 }
 

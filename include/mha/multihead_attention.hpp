@@ -68,6 +68,10 @@ struct ForwardPlan {
 // The constructor arguments of torch.nn.MultiheadAttention; kdim and vdim of 0 mean embed_dim.
 // dropout is the probability of dropping an attention weight in forward_train (never in
 // forward, PyTorch's eval mode). seed drives the default initialisation and the dropout draws.
+// num_kv_heads (H_kv, 0 = num_heads) makes it grouped-query attention (multi-query for 1), as in
+// Llama: key and value are projected to H_kv·D features, and query head h reads key/value head
+// h / (H / H_kv); the parameters are then q_proj_weight [E, E], k_proj_weight [H_kv·D, kdim],
+// v_proj_weight [H_kv·D, vdim], in_proj_bias [E + 2·H_kv·D], bias_k/bias_v [1, 1, H_kv·D].
 struct MultiHeadAttentionConfig {
   Index embed_dim = 0;
   Index num_heads = 0;
@@ -76,6 +80,7 @@ struct MultiHeadAttentionConfig {
   bool add_zero_attn = false;
   Index kdim = 0;
   Index vdim = 0;
+  Index num_kv_heads = 0;
   double dropout = 0;
   std::uint64_t seed = 0;
 
@@ -177,30 +182,40 @@ class MultiHeadAttention {
                                               std::to_string(config_.vdim));
     }
     detail::check_dropout(config_.dropout);
+    if (config_.num_kv_heads < 0 ||
+        (config_.num_kv_heads > 0 && config_.num_heads % config_.num_kv_heads != 0)) {
+      detail::throw_argument("num_kv_heads", "must divide num_heads " +
+                                                 std::to_string(config_.num_heads) +
+                                                 " (or be 0 for num_heads), got " +
+                                                 std::to_string(config_.num_kv_heads));
+    }
+    if (config_.num_kv_heads == 0) config_.num_kv_heads = config_.num_heads;
     if (config_.kdim == 0) config_.kdim = embed;
     if (config_.vdim == 0) config_.vdim = embed;
+    const Index kv_width = kv_dim();
     if (packed_projection()) {
       params_.in_proj_weight = Tensor<T>({3 * embed, embed});
     } else {
       params_.q_proj_weight = Tensor<T>({embed, embed});
-      params_.k_proj_weight = Tensor<T>({embed, config_.kdim});
-      params_.v_proj_weight = Tensor<T>({embed, config_.vdim});
+      params_.k_proj_weight = Tensor<T>({kv_width, config_.kdim});
+      params_.v_proj_weight = Tensor<T>({kv_width, config_.vdim});
     }
     if (config_.bias) {
-      params_.in_proj_bias = Tensor<T>({3 * embed});
+      params_.in_proj_bias = Tensor<T>({embed + 2 * kv_width});
       params_.out_proj_bias = Tensor<T>({embed});
     }
     params_.out_proj_weight = Tensor<T>({embed, embed});
     if (config_.add_bias_kv) {
-      params_.bias_k = Tensor<T>({1, 1, embed});
-      params_.bias_v = Tensor<T>({1, 1, embed});
+      params_.bias_k = Tensor<T>({1, 1, kv_width});
+      params_.bias_v = Tensor<T>({1, 1, kv_width});
     }
     reset_parameters(config_.seed);
     seed_dropout(config_.seed);
   }
 
   // Builds a layer from PyTorch state_dict tensors. Which tensors are present decides bias,
-  // add_bias_kv and kdim/vdim; num_heads and add_zero_attn are not in a state_dict.
+  // add_bias_kv and kdim/vdim, and k_proj_weight's rows num_kv_heads; num_heads and add_zero_attn
+  // are not in a state_dict.
   static MultiHeadAttention from_state_dict(const std::map<std::string, Tensor<T>>& state,
                                             Index num_heads, bool add_zero_attn = false) {
     const auto out_weight = state.find("out_proj.weight");
@@ -230,6 +245,14 @@ class MultiHeadAttention {
                                "needs 'in_proj_weight' or all of 'q_proj_weight', "
                                "'k_proj_weight', 'v_proj_weight'");
       }
+      // k_proj_weight has H_kv·D rows; a count that is no multiple of D is left for the shape
+      // checks of load_state_dict to report.
+      const Index kv_rows = state.at("k_proj_weight").dim(0);
+      const Index embed = config.embed_dim;
+      if (num_heads > 0 && embed % num_heads == 0 && embed > 0) {
+        const Index head_dim = embed / num_heads;
+        if (kv_rows % head_dim == 0 && kv_rows > 0) config.num_kv_heads = kv_rows / head_dim;
+      }
     }
     MultiHeadAttention layer(config);
     layer.load_state_dict(state);
@@ -245,8 +268,8 @@ class MultiHeadAttention {
       xavier_uniform(params_.in_proj_weight, embed, 3 * embed, random);
     } else {
       xavier_uniform(params_.q_proj_weight, embed, embed, random);
-      xavier_uniform(params_.k_proj_weight, config_.kdim, embed, random);
-      xavier_uniform(params_.v_proj_weight, config_.vdim, embed, random);
+      xavier_uniform(params_.k_proj_weight, config_.kdim, kv_dim(), random);
+      xavier_uniform(params_.v_proj_weight, config_.vdim, kv_dim(), random);
     }
     linear_default_uniform(params_.out_proj_weight, embed, random);
     if (config_.bias) {
@@ -254,9 +277,9 @@ class MultiHeadAttention {
       params_.out_proj_bias.flat().setZero();
     }
     if (config_.add_bias_kv) {
-      // A [1, 1, E] tensor has fan_in = fan_out = E for torch's fan computation.
-      xavier_normal(params_.bias_k, embed, embed, random);
-      xavier_normal(params_.bias_v, embed, embed, random);
+      // A [1, 1, n] tensor has fan_in = fan_out = n for torch's fan computation.
+      xavier_normal(params_.bias_k, kv_dim(), kv_dim(), random);
+      xavier_normal(params_.bias_v, kv_dim(), kv_dim(), random);
     }
   }
 
@@ -264,11 +287,16 @@ class MultiHeadAttention {
   Index embed_dim() const { return config_.embed_dim; }
   Index num_heads() const { return config_.num_heads; }
   Index head_dim() const { return config_.embed_dim / config_.num_heads; }
+  // H_kv, the key/value heads (num_heads unless grouped-query attention), and their width H_kv·D.
+  Index num_kv_heads() const { return config_.num_kv_heads; }
+  Index kv_dim() const { return config_.num_kv_heads * head_dim(); }
   Index kdim() const { return config_.kdim; }
   Index vdim() const { return config_.vdim; }
-  // PyTorch's _qkv_same_embed_dim: one packed in_proj_weight instead of three.
+  // PyTorch's _qkv_same_embed_dim: one packed in_proj_weight instead of three (never with
+  // grouped-query attention, whose K and V projections are narrower).
   bool packed_projection() const {
-    return config_.kdim == config_.embed_dim && config_.vdim == config_.embed_dim;
+    return config_.kdim == config_.embed_dim && config_.vdim == config_.embed_dim &&
+           config_.num_kv_heads == config_.num_heads;
   }
 
   // The state_dict names of this layer's parameters, in PyTorch's order.
@@ -408,7 +436,7 @@ class MultiHeadAttention {
     detail::check_shape("grad_output", plan.query_shape, grad_output.shape());
     detail::CoreOptions<T> core = core_options(plan, saved.options_);
     core.dropout = saved.dropout_;
-    const Index embed = config_.embed_dim, heads = config_.num_heads, head_dim = this->head_dim();
+    const Index embed = config_.embed_dim, heads = config_.num_heads;
     const Index rows = plan.batch * plan.query_len;
     const Workspace<T>& forward = saved.workspace_;
 
@@ -429,7 +457,7 @@ class MultiHeadAttention {
     T* grad_q_data;
     T* grad_k_data;
     T* grad_v_data;
-    Index q_stride = embed, kv_stride = embed;
+    Index q_stride = embed, kv_stride = kv_dim();
     if (plan.fused) {
       saved.grad_qkv_.resize(rows, 3 * embed);
       q_data = forward.qkv.data();
@@ -441,8 +469,8 @@ class MultiHeadAttention {
       q_stride = kv_stride = 3 * embed;
     } else {
       saved.grad_q_.resize(rows, embed);
-      saved.grad_k_.resize(plan.batch * plan.total_keys, embed);
-      saved.grad_v_.resize(plan.batch * plan.total_keys, embed);
+      saved.grad_k_.resize(plan.batch * plan.total_keys, kv_dim());
+      saved.grad_v_.resize(plan.batch * plan.total_keys, kv_dim());
       q_data = forward.q.data();
       k_data = forward.k.data();
       v_data = forward.v.data();
@@ -450,24 +478,20 @@ class MultiHeadAttention {
       grad_k_data = saved.grad_k_.data();
       grad_v_data = saved.grad_v_.data();
     }
-    const auto heads_of = [&](auto* data, Index rows_per_batch, Index stride) {
-      using Element = std::remove_pointer_t<decltype(data)>;
-      return detail::HeadLayout<Element>{data,   rows_per_batch * stride, head_dim,
-                                         stride, rows_per_batch,          head_dim};
-    };
     const T* attended = forward.attended.data();
     const T* grad_attended_data = grad_attended.data();
     detail::attention_backward<T>(
-        plan.kernel, plan.batch, heads, heads_of(q_data, plan.query_len, q_stride),
-        heads_of(k_data, plan.total_keys, kv_stride), heads_of(v_data, plan.total_keys, kv_stride),
-        heads_of(attended, plan.query_len, embed),
-        heads_of(grad_attended_data, plan.query_len, embed), saved.logsumexp_.data(),
-        heads_of(grad_q_data, plan.query_len, q_stride),
-        heads_of(grad_k_data, plan.total_keys, kv_stride),
-        heads_of(grad_v_data, plan.total_keys, kv_stride), core, saved.workspace_.kernel);
+        plan.kernel, plan.batch, heads, head_layout(q_data, plan.query_len, q_stride),
+        kv_head_layout(k_data, plan.total_keys, kv_stride),
+        kv_head_layout(v_data, plan.total_keys, kv_stride),
+        head_layout(attended, plan.query_len, embed),
+        head_layout(grad_attended_data, plan.query_len, embed), saved.logsumexp_.data(),
+        head_layout(grad_q_data, plan.query_len, q_stride),
+        kv_head_layout(grad_k_data, plan.total_keys, kv_stride),
+        kv_head_layout(grad_v_data, plan.total_keys, kv_stride), core, saved.workspace_.kernel);
 
-    // the projections y = x Wᵀ + b: grad W += grad_yᵀ x, grad b += colsum(grad_y), grad x = grad_y
-    // W
+    // the projections y = x Wᵀ + b:
+    //   grad W += grad_yᵀ x,  grad b += colsum(grad_y),  grad x = grad_y W
     InputGradients<T> grads;
     grads.query = Tensor<T>(saved.query_.shape());
     grads.key = Tensor<T>(plan.fused ? saved.query_.shape() : saved.key_.shape());
@@ -592,6 +616,18 @@ class MultiHeadAttention {
   detail::HeadLayout<Element> head_layout(Element* data, Index rows, Index stride) const {
     return {data, rows * stride, head_dim(), stride, rows, head_dim()};
   }
+  // The same for keys and values, whose head h / (H / H_kv) query head h reads.
+  template <class Element>
+  detail::HeadLayout<Element> kv_head_layout(Element* data, Index rows, Index stride) const {
+    detail::HeadLayout<Element> layout = head_layout(data, rows, stride);
+    layout.group = config_.num_heads / config_.num_kv_heads;
+    return layout;
+  }
+  // Where projection `which` (0, 1, 2 for q, k, v) starts in in_proj_bias, and its width.
+  Index bias_offset(int which) const {
+    return which == 0 ? 0 : config_.embed_dim + (which - 1) * kv_dim();
+  }
+  Index projection_width(int which) const { return which == 0 ? config_.embed_dim : kv_dim(); }
 
   // The forward pass proper; logsumexp is null or (B, H, L) for the flash kernel's backward.
   void run_forward(const Plan& plan, const detail::CoreOptions<T>& core,
@@ -603,7 +639,7 @@ class MultiHeadAttention {
     const T* q_data;
     const T* k_data;
     const T* v_data;
-    Index q_stride = embed, kv_stride = embed;
+    Index q_stride = embed, kv_stride = kv_dim();
     if (plan.fused) {
       // [B*L, 3E]: heads read q, k and v at column offsets 0, E and 2E.
       Matrix<T>& qkv = workspace.qkv;
@@ -634,11 +670,12 @@ class MultiHeadAttention {
                                       : workspace.per_head_weights;
     if (options.need_weights) per_head_weights.resize({batch, heads, query_len, total_keys});
     workspace.attended.resize(batch * query_len, embed);
-    detail::attention<T>(
-        plan.kernel, batch, heads, head_layout(q_data, query_len, q_stride),
-        head_layout(k_data, total_keys, kv_stride), head_layout(v_data, total_keys, kv_stride),
-        head_layout(workspace.attended.data(), query_len, embed), core,
-        options.need_weights ? per_head_weights.data() : nullptr, workspace.kernel, logsumexp);
+    detail::attention<T>(plan.kernel, batch, heads, head_layout(q_data, query_len, q_stride),
+                         kv_head_layout(k_data, total_keys, kv_stride),
+                         kv_head_layout(v_data, total_keys, kv_stride),
+                         head_layout(workspace.attended.data(), query_len, embed), core,
+                         options.need_weights ? per_head_weights.data() : nullptr, workspace.kernel,
+                         logsumexp);
 
     result.output.resize(plan.query_shape);
     auto output = result.output.matrix();
@@ -661,18 +698,17 @@ class MultiHeadAttention {
   }
 
   // The backward of one projection y = x Wᵀ + b (which = 0, 1, 2 for q, k, v), where grad_y is
-  // [B*rows', E] with rows' = total_rows per batch: the first `rows` of each batch came from
-  // input [B, rows, width]; a bias_k/bias_v row follows (add_bias_kv), then the zero row.
+  // [B*rows', E or H_kv·D] with rows' = total_rows per batch: the first `rows` of each batch came
+  // from input [B, rows, width]; a bias_k/bias_v row follows (add_bias_kv), then the zero row.
   void backward_projection(const Matrix<T>& grad_y, const Tensor<T>& input, int which, Index batch,
                            Index rows, Index total_rows, Tensor<T>& grad_input) {
-    const Index embed = config_.embed_dim;
     auto grad_weight = projection(grads_, which);
     const auto weight = weight_rows(which);
     const Index width = weight.cols();
     const auto accumulate_bias = [&](const auto& grad_rows) {
       if (!config_.bias) return;
-      Eigen::Map<RowVector<T>>(grads_.in_proj_bias.data() + which * embed, embed) +=
-          grad_rows.colwise().sum();
+      Eigen::Map<RowVector<T>>(grads_.in_proj_bias.data() + bias_offset(which),
+                               projection_width(which)) += grad_rows.colwise().sum();
     };
     if (total_rows == rows) {  // no extra rows: one GEMM over every batch
       detail::threaded_product(grad_weight, grad_y.transpose(), input.matrix(),
@@ -765,18 +801,16 @@ class MultiHeadAttention {
   template <class Rows>
   void add_bias(Rows& rows, int which) const {
     if (!config_.bias) return;
-    const Index embed = config_.embed_dim;
-    rows.rowwise() +=
-        Eigen::Map<const RowVector<T>>(params_.in_proj_bias.data() + which * embed, embed);
+    rows.rowwise() += Eigen::Map<const RowVector<T>>(
+        params_.in_proj_bias.data() + bias_offset(which), projection_width(which));
   }
 
-  // input [B, S, width] (or [S, width]) projected into [B*S', E]: for each batch its S rows, then
-  // bias_k/bias_v (add_bias_kv), then a zero row (add_zero_attn).
+  // input [B, S, width] (or [S, width]) projected into [B*S', H_kv·D]: for each batch its S rows,
+  // then bias_k/bias_v (add_bias_kv), then a zero row (add_zero_attn).
   void project_keys(TensorView<const T> input, int which, Index batch, Index key_len,
                     Index total_keys, const Tensor<T>& extra_row, Matrix<T>& projected) const {
-    const Index embed = config_.embed_dim;
     const Index width = input.dim(input.rank() - 1);
-    projected.resize(batch * total_keys, embed);
+    projected.resize(batch * total_keys, kv_dim());
     const auto weight = weight_rows(which);
     if (total_keys == key_len) {  // no extra rows: one GEMM over every batch
       detail::threaded_product(projected, input.matrix(), weight.transpose(),

@@ -26,8 +26,9 @@ namespace mha {
 namespace detail {
 
 // A (B, H) family of [rows, cols] matrices inside one buffer, each row-major with its rows
-// row_stride elements apart. It describes both a contiguous (B, H, L, D) tensor
-// (batch_stride H*L*D, head_stride L*D, row_stride D) and the heads of a (B, L, E) tensor
+// row_stride elements apart (or, for keys and values under grouped-query attention, a
+// (B, H_kv) family read by H = H_kv * group query heads). It describes both a contiguous (B, H, L,
+// D) tensor (batch_stride H*L*D, head_stride L*D, row_stride D) and the heads of a (B, L, E) tensor
 // without copying them (batch_stride L*E, head_stride D, row_stride E). T may be const.
 template <class T>
 struct HeadLayout {
@@ -38,9 +39,12 @@ struct HeadLayout {
   Index row_stride = 0;
   Index rows = 0;
   Index cols = 0;
+  // Query heads per stored head: with grouped-query attention, query head h reads the keys and
+  // values of stored head h / group (PyTorch SDPA's enable_gqa); 1 otherwise.
+  Index group = 1;
 
   Map at(Index b, Index h) const {
-    return Map(offset_pointer(data, b * batch_stride + h * head_stride), rows, cols,
+    return Map(offset_pointer(data, b * batch_stride + (h / group) * head_stride), rows, cols,
                Eigen::OuterStride<>(row_stride));
   }
 };

@@ -160,8 +160,9 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
 // where rowdot_i = rowsum(dO_i ∘ O_i), which equals rowsum(P ∘ dP) (see the reference backward)
 // and Z is dropout's mask. out is the forward's output, grad_out is (B, H, L, Dv), logsumexp the
 // forward's (B, H, L); grad_q, grad_k, grad_v have the layouts of q, k, v and are overwritten.
-// A task is one (batch, head), its key blocks outer (dK_j and dV_j stay in cache) and its query
-// blocks inner; one thread owns all of a head's gradients, so there are no write races and the
+// A task is one (batch, head), or under grouped-query attention one stored key/value head and
+// the query heads that read it; its key blocks outer (dK_j and dV_j stay in cache) and its query
+// blocks inner. One thread owns all of a task's gradients, so there are no write races and the
 // result does not depend on the number of threads. (FlashAttention splits a head over key blocks
 // and adds dQ atomically; with H·B tasks for two cores, one per head suffices.)
 template <class T>
@@ -176,7 +177,7 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
   const Index query_len = q.rows, key_len = k.rows;
   const Index masked_keys = options.causal_cols;
   const bool any_mask = options.any_mask();
-  const Index tasks = batch * heads;
+  const Index group = k.group, tasks = batch * (heads / group);
   scratch_for_threads(scratch);
   MHA_OMP_PRAGMA(omp parallel if (tasks > 1)) {
     KernelScratch<T>& mine = scratch[static_cast<std::size_t>(thread_index())];
@@ -187,72 +188,74 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
     mine.row_dot.resize(query_len);
     MHA_OMP_PRAGMA(omp for schedule(dynamic))
     for (Index task = 0; task < tasks; ++task) {
-      const Index b = task / heads, h = task % heads;
-      const auto q_bh = q.at(b, h);
-      const auto k_bh = k.at(b, h);
-      const auto v_bh = v.at(b, h);
-      const auto grad_out_bh = grad_out.at(b, h);
-      auto grad_q_bh = grad_q.at(b, h);
-      auto grad_k_bh = grad_k.at(b, h);
-      auto grad_v_bh = grad_v.at(b, h);
-      const T* lse = logsumexp + (b * heads + h) * query_len;
-      mine.row_dot = (grad_out_bh.array() * out.at(b, h).array()).rowwise().sum().matrix();
-      grad_q_bh.setZero();
+      const Index b = task / (heads / group), first_head = (task % (heads / group)) * group;
+      const auto k_bh = k.at(b, first_head);
+      const auto v_bh = v.at(b, first_head);
+      auto grad_k_bh = grad_k.at(b, first_head);
+      auto grad_v_bh = grad_v.at(b, first_head);
       grad_k_bh.setZero();
       grad_v_bh.setZero();
+      for (Index h = first_head; h < first_head + group; ++h) {
+        const auto q_bh = q.at(b, h);
+        const auto grad_out_bh = grad_out.at(b, h);
+        auto grad_q_bh = grad_q.at(b, h);
+        const T* lse = logsumexp + (b * heads + h) * query_len;
+        mine.row_dot = (grad_out_bh.array() * out.at(b, h).array()).rowwise().sum().matrix();
+        grad_q_bh.setZero();
 
-      const auto key_block = [&](Index j0, Index cols) {
-        const auto k_blk = k_bh.middleRows(j0, cols);
-        const auto v_blk = v_bh.middleRows(j0, cols);
-        auto grad_k_blk = grad_k_bh.middleRows(j0, cols);
-        auto grad_v_blk = grad_v_bh.middleRows(j0, cols);
-        for (Index i0 = 0; i0 < query_len; i0 += blocks.query) {
-          const Index rows = std::min(blocks.query, query_len - i0);
-          const bool masked_tile = any_mask && j0 < masked_keys;
-          if (masked_tile &&
-              j0 >= causal_visible_end(options.causal, masked_keys, query_len, i0 + rows - 1)) {
-            continue;  // causal masking hides this key block from every query of the block
-          }
-          auto probs = mine.scores.topLeftCorner(rows, cols);
-          if (masked_tile) {
-            options.masks(b, h, query_len, i0, j0, probs);
-            if ((probs.array() == kNegInf).all()) continue;
-          } else {
-            probs.setZero();
-          }
-          const auto q_blk = q_bh.middleRows(i0, rows);
-          const auto grad_out_blk = grad_out_bh.middleRows(i0, rows);
-          probs.noalias() += options.scale * (q_blk * k_blk.transpose());
-          // P = exp(S - lse), exactly 0 where blocked and in rows that saw no key
-          for (Index r = 0; r < rows; ++r) {
-            auto row = probs.row(r);
-            if (lse[i0 + r] == kNegInf) {
-              row.setZero();
-            } else if (masked_tile) {
-              exp_shifted_inplace(row, lse[i0 + r], mine.exps);
-            } else {
-              row.array() = (row.array() - lse[i0 + r]).exp();
+        const auto key_block = [&](Index j0, Index cols) {
+          const auto k_blk = k_bh.middleRows(j0, cols);
+          const auto v_blk = v_bh.middleRows(j0, cols);
+          auto grad_k_blk = grad_k_bh.middleRows(j0, cols);
+          auto grad_v_blk = grad_v_bh.middleRows(j0, cols);
+          for (Index i0 = 0; i0 < query_len; i0 += blocks.query) {
+            const Index rows = std::min(blocks.query, query_len - i0);
+            const bool masked_tile = any_mask && j0 < masked_keys;
+            if (masked_tile &&
+                j0 >= causal_visible_end(options.causal, masked_keys, query_len, i0 + rows - 1)) {
+              continue;  // causal masking hides this key block from every query of the block
             }
+            auto probs = mine.scores.topLeftCorner(rows, cols);
+            if (masked_tile) {
+              options.masks(b, h, query_len, i0, j0, probs);
+              if ((probs.array() == kNegInf).all()) continue;
+            } else {
+              probs.setZero();
+            }
+            const auto q_blk = q_bh.middleRows(i0, rows);
+            const auto grad_out_blk = grad_out_bh.middleRows(i0, rows);
+            probs.noalias() += options.scale * (q_blk * k_blk.transpose());
+            // P = exp(S - lse), exactly 0 where blocked and in rows that saw no key
+            for (Index r = 0; r < rows; ++r) {
+              auto row = probs.row(r);
+              if (lse[i0 + r] == kNegInf) {
+                row.setZero();
+              } else if (masked_tile) {
+                exp_shifted_inplace(row, lse[i0 + r], mine.exps);
+              } else {
+                row.array() = (row.array() - lse[i0 + r]).exp();
+              }
+            }
+            auto grad_scores = mine.grad_scores.topLeftCorner(rows, cols);
+            grad_scores.noalias() = grad_out_blk * v_blk.transpose();
+            if (options.dropout.active()) {
+              auto dropped = mine.acc.topLeftCorner(rows, cols);
+              dropped = probs;
+              options.dropout.apply(b, h, i0, j0, dropped);
+              grad_v_blk.noalias() += dropped.transpose() * grad_out_blk;
+              options.dropout.apply(b, h, i0, j0, grad_scores);
+            } else {
+              grad_v_blk.noalias() += probs.transpose() * grad_out_blk;
+            }
+            grad_scores.array() = probs.array() * (grad_scores.array().colwise() -
+                                                   mine.row_dot.segment(i0, rows).array());
+            grad_q_bh.middleRows(i0, rows).noalias() += options.scale * (grad_scores * k_blk);
+            grad_k_blk.noalias() += options.scale * (grad_scores.transpose() * q_blk);
           }
-          auto grad_scores = mine.grad_scores.topLeftCorner(rows, cols);
-          grad_scores.noalias() = grad_out_blk * v_blk.transpose();
-          if (options.dropout.active()) {
-            auto dropped = mine.acc.topLeftCorner(rows, cols);
-            dropped = probs;
-            options.dropout.apply(b, h, i0, j0, dropped);
-            grad_v_blk.noalias() += dropped.transpose() * grad_out_blk;
-            options.dropout.apply(b, h, i0, j0, grad_scores);
-          } else {
-            grad_v_blk.noalias() += probs.transpose() * grad_out_blk;
-          }
-          grad_scores.array() = probs.array() * (grad_scores.array().colwise() -
-                                                 mine.row_dot.segment(i0, rows).array());
-          grad_q_bh.middleRows(i0, rows).noalias() += options.scale * (grad_scores * k_blk);
-          grad_k_blk.noalias() += options.scale * (grad_scores.transpose() * q_blk);
-        }
-      };
-      for_each_key_block(options.causal, masked_keys, key_len, query_len, query_len - 1, blocks.key,
-                         key_block);
+        };
+        for_each_key_block(options.causal, masked_keys, key_len, query_len, query_len - 1,
+                           blocks.key, key_block);
+      }
     }
   }
 }

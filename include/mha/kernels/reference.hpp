@@ -57,7 +57,9 @@ void attention_reference(Index batch, Index heads, const HeadLayout<const T>& q,
 //   P  = softmax(S)                  dS = P ∘ (dP - rowsum(P ∘ dP))    (softmax's Jacobian)
 //   Pd = P ∘ Z  (dropout, Z=keep/(1-p))  dP = dPd ∘ Z
 //   out = Pd v                       dPd = grad_out vᵀ,  grad_v = Pdᵀ grad_out
-// A fully masked row has P = 0 and so gives no gradient to anything.
+// A fully masked row has P = 0 and so gives no gradient to anything. Under grouped-query
+// attention (k.group > 1) a task is one stored key/value head: its query heads' contributions to
+// grad_k and grad_v are summed in one thread, so no two threads write the same rows.
 template <class T>
 void attention_reference_backward(Index batch, Index heads, const HeadLayout<const T>& q,
                                   const HeadLayout<const T>& k, const HeadLayout<const T>& v,
@@ -66,7 +68,8 @@ void attention_reference_backward(Index batch, Index heads, const HeadLayout<con
                                   const CoreOptions<T>& options,
                                   std::vector<KernelScratch<T>>& scratch) {
   const Index query_len = q.rows, key_len = k.rows;
-  const Index tasks = batch * heads;
+  const Index group = k.group;
+  const Index tasks = batch * (heads / group);
   scratch_for_threads(scratch);
   MHA_OMP_PRAGMA(omp parallel if (tasks > 1)) {
     KernelScratch<T>& mine = scratch[static_cast<std::size_t>(thread_index())];
@@ -78,34 +81,45 @@ void attention_reference_backward(Index batch, Index heads, const HeadLayout<con
     Matrix<T>& grad_scores = mine.grad_scores;
     MHA_OMP_PRAGMA(omp for schedule(static))
     for (Index task = 0; task < tasks; ++task) {
-      const Index b = task / heads, h = task % heads;
-      const auto q_bh = q.at(b, h);
-      const auto k_bh = k.at(b, h);
-      const auto v_bh = v.at(b, h);
-      const auto grad_out_bh = grad_out.at(b, h);
-      // P, recomputed as the forward pass computed it
-      options.masks(b, h, query_len, 0, 0, probs);
-      probs.noalias() += options.scale * (q_bh * k_bh.transpose());
-      softmax_rows_inplace(probs, mine.exps);
-      // grad_v from the dropped-out weights Pd = P ∘ Z, built in the dS buffer; then dP = dPd ∘ Z
-      auto grad_v_bh = grad_v.at(b, h);
-      if (options.dropout.active()) {
-        grad_scores = probs;
-        options.dropout.apply(b, h, 0, 0, grad_scores);
-        grad_v_bh.noalias() = grad_scores.transpose() * grad_out_bh;
+      const Index b = task / (heads / group), first_head = (task % (heads / group)) * group;
+      const auto k_bh = k.at(b, first_head);
+      const auto v_bh = v.at(b, first_head);
+      auto grad_k_bh = grad_k.at(b, first_head);
+      auto grad_v_bh = grad_v.at(b, first_head);
+      for (Index h = first_head; h < first_head + group; ++h) {
+        const auto q_bh = q.at(b, h);
+        const auto grad_out_bh = grad_out.at(b, h);
+        // the group's first head assigns the key/value gradients, the others add to them
+        const bool add = h > first_head;
+        // P, recomputed as the forward pass computed it
+        options.masks(b, h, query_len, 0, 0, probs);
+        probs.noalias() += options.scale * (q_bh * k_bh.transpose());
+        softmax_rows_inplace(probs, mine.exps);
+        // grad_v from the dropped-out weights Pd = P ∘ Z, built in the dS buffer; then dP = dPd ∘ Z
+        const Matrix<T>* dropped = &probs;
+        if (options.dropout.active()) {
+          grad_scores = probs;
+          options.dropout.apply(b, h, 0, 0, grad_scores);
+          dropped = &grad_scores;
+        }
+        if (add) {
+          grad_v_bh.noalias() += dropped->transpose() * grad_out_bh;
+        } else {
+          grad_v_bh.noalias() = dropped->transpose() * grad_out_bh;
+        }
         grad_scores.noalias() = grad_out_bh * v_bh.transpose();
-        options.dropout.apply(b, h, 0, 0, grad_scores);
-      } else {
-        grad_v_bh.noalias() = probs.transpose() * grad_out_bh;
-        grad_scores.noalias() = grad_out_bh * v_bh.transpose();
+        if (options.dropout.active()) options.dropout.apply(b, h, 0, 0, grad_scores);
+        // dS = P ∘ (dP - rowsum(P ∘ dP)), in place of dP
+        mine.row_dot = (probs.array() * grad_scores.array()).rowwise().sum().matrix();
+        grad_scores.array() =
+            probs.array() * (grad_scores.array().colwise() - mine.row_dot.array());
+        grad_q.at(b, h).noalias() = options.scale * (grad_scores * k_bh);
+        if (add) {
+          grad_k_bh.noalias() += options.scale * (grad_scores.transpose() * q_bh);
+        } else {
+          grad_k_bh.noalias() = options.scale * (grad_scores.transpose() * q_bh);
+        }
       }
-      // dS = P ∘ (dP - rowsum(P ∘ dP)), in place of dP
-      mine.row_dot = (probs.array() * grad_scores.array()).rowwise().sum().matrix();
-      grad_scores.array() = probs.array() * (grad_scores.array().colwise() - mine.row_dot.array());
-      auto grad_q_bh = grad_q.at(b, h);
-      auto grad_k_bh = grad_k.at(b, h);
-      grad_q_bh.noalias() = options.scale * (grad_scores * k_bh);
-      grad_k_bh.noalias() = options.scale * (grad_scores.transpose() * q_bh);
     }
   }
 }
