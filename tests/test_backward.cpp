@@ -128,7 +128,19 @@ void random_masks(const Trial& trial, Index heads, mha::Random& random,
     description += " key_padding float";
   }
   options.is_causal = random.uniform() < 0.3;
-  if (options.is_causal) description += " causal";
+  options.causal_alignment =
+      random.uniform() < 0.5 ? mha::Alignment::top_left : mha::Alignment::bottom_right;
+  if (options.is_causal) {
+    description +=
+        options.causal_alignment == mha::Alignment::top_left ? " causal" : " causal bottom-right";
+  }
+  if (random.uniform() < 0.3) {
+    options.window.left = static_cast<Index>(random.uniform() * 4) - 1;
+    options.window.right = static_cast<Index>(random.uniform() * 4) - 1;
+    options.window.alignment = options.causal_alignment;
+    description += " window " + std::to_string(options.window.left) + "/" +
+                   std::to_string(options.window.right);
+  }
 }
 
 // ||a - b|| / ||b||, or ||a|| when b is 0 (a gradient that must vanish).

@@ -20,6 +20,7 @@ struct Case {
   bool per_head_mask;
   MaskKind padding_kind;
   Causal causal;
+  mha::Window window;
   Index query_block, key_block;
 };
 
@@ -72,6 +73,7 @@ void check_case(const Case& c, std::uint64_t seed,
   }
   core.causal = c.causal;
   core.causal_cols = c.key_len;
+  core.window = c.window;
   // Dropout in a third of the cases: both kernels regenerate the same mask from the seed.
   if (random.uniform() < 1.0 / 3) core.dropout = {0.3, seed, c.heads, c.query_len, total_keys};
 
@@ -94,8 +96,10 @@ void check_case(const Case& c, std::uint64_t seed,
             << c.extra_keys << " D " << c.head_dim << " Dv " << c.value_dim << " attn "
             << mha::mask_kind_name(c.attn_kind) << (c.per_head_mask ? " per head" : "")
             << " padding " << mha::mask_kind_name(c.padding_kind) << " causal "
-            << static_cast<int>(c.causal) << " blocks " << c.query_block << "x" << c.key_block
-            << " blocked " << blocked << " dropout " << core.dropout.p);
+            << static_cast<int>(c.causal) << " window " << c.window.left << "/" << c.window.right
+            << (c.window.alignment == mha::Alignment::bottom_right ? " br" : "") << " blocks "
+            << c.query_block << "x" << c.key_block << " blocked " << blocked << " dropout "
+            << core.dropout.p);
   REQUIRE(flash.flat().allFinite());
   CHECK_TENSORS_CLOSE(flash, reference);
 
@@ -153,6 +157,13 @@ TEMPLATE_TEST_CASE("flash equals reference for random options and tiny blocks", 
     c.per_head_mask = random.uniform() < 0.5;
     c.padding_kind = kinds[pick(0, 3)];
     c.causal = causals[pick(0, 2)];
+    // A window in half the cases, one side unbounded in some.
+    if (random.uniform() < 0.5) {
+      c.window.left = pick(-1, 6);
+      c.window.right = pick(-1, 6);
+      c.window.alignment =
+          random.uniform() < 0.5 ? mha::Alignment::top_left : mha::Alignment::bottom_right;
+    }
     c.query_block = pick(1, 8);
     c.key_block = pick(1, 8);
     check_case<TestType>(c, 1000 + static_cast<std::uint64_t>(trial), scratch);
@@ -258,3 +269,65 @@ TEMPLATE_TEST_CASE("results do not depend on the number of threads", "[flash][th
   omp_set_num_threads(threads_before);
 }
 #endif
+
+TEMPLATE_TEST_CASE("a window equals the additive mask it describes, and skipping equals masking",
+                   "[flash][window]", float, double) {
+  using T = TestType;
+  const Index H = 2, L = 150, S = 300, D = 8;
+  const auto q = mha_test::random_tensor<T>({H, L, D}, 1);
+  const auto k = mha_test::random_tensor<T>({H, S, D}, 2);
+  const auto v = mha_test::random_tensor<T>({H, S, D}, 3);
+  const auto g = mha_test::random_tensor<T>({H, L, D}, 4);
+  struct Setting {
+    Index left, right;
+    mha::Alignment alignment;
+    Causal causal;
+  };
+  const Setting settings[] = {{16, 0, mha::Alignment::bottom_right, Causal::none},
+                              {16, 0, mha::Alignment::top_left, Causal::none},
+                              {5, 7, mha::Alignment::top_left, Causal::none},
+                              {-1, 3, mha::Alignment::bottom_right, Causal::none},
+                              {40, -1, mha::Alignment::top_left, Causal::top_left},
+                              {0, 0, mha::Alignment::top_left, Causal::none}};
+  for (const auto& setting : settings) {
+    // The mask written out from FlashAttention's definition: query i sees key j when
+    // c - left <= j <= c + right, c = i (+ S - L bottom-right), and causal masking allows it.
+    Tensor<T> written({L, S});
+    const Index shift = setting.alignment == mha::Alignment::bottom_right ? S - L : 0;
+    for (Index i = 0; i < L; ++i) {
+      for (Index j = 0; j < S; ++j) {
+        const bool in_window = (setting.left < 0 || j >= i + shift - setting.left) &&
+                               (setting.right < 0 || j <= i + shift + setting.right);
+        const bool causal_ok = setting.causal == Causal::none || j <= i;
+        written(i, j) = in_window && causal_ok ? T(0) : -std::numeric_limits<T>::infinity();
+      }
+    }
+    INFO("window " << setting.left << "/" << setting.right << " causal "
+                   << static_cast<int>(setting.causal));
+    for (const auto kernel : {mha::Kernel::reference, mha::Kernel::flash}) {
+      mha::AttentionOptions<T> masked;
+      masked.mask = Mask<T>::additive(written);
+      masked.kernel = kernel;
+      mha::AttentionOptions<T> windowed;
+      windowed.window = {setting.left, setting.right, setting.alignment};
+      windowed.causal = setting.causal;
+      windowed.kernel = kernel;
+      const auto expected = mha::scaled_dot_product_attention(q, k, v, masked);
+      const auto actual = mha::scaled_dot_product_attention(q, k, v, windowed);
+      INFO(mha::kernel_name(kernel));
+      CHECK_TENSORS_CLOSE(actual.output, expected.output);
+      const auto expected_grads =
+          mha::scaled_dot_product_attention_backward<T>(q, k, v, expected, g, masked);
+      const auto actual_grads =
+          mha::scaled_dot_product_attention_backward<T>(q, k, v, actual, g, windowed);
+      CHECK_GRADIENTS_CLOSE(actual_grads.value, expected_grads.value);
+      // With a window of one key (0/0) every weight is 1 and the query and key gradients vanish
+      // in exact arithmetic; what is left is the rounding of dP - rowsum(dO ∘ O), terms of the
+      // size of the value gradient. So those two are compared at that scale.
+      const double terms = expected_grads.value.flat().cwiseAbs().maxCoeff();
+      const double rtol = mha_test::GradientTolerance<T>::rtol;
+      CHECK_TENSORS_CLOSE_TOL(actual_grads.query, expected_grads.query, rtol, rtol * terms);
+      CHECK_TENSORS_CLOSE_TOL(actual_grads.key, expected_grads.key, rtol, rtol * terms);
+    }
+  }
+}

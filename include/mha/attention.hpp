@@ -92,6 +92,8 @@ struct AttentionOptions {
   // [L, S], [H, L, S] or [B, H, L, S] (a leading axis may be 1 to broadcast); any MaskKind.
   Mask<T> mask;
   Causal causal = Causal::none;
+  // Local attention: keys outside the window are blocked, and the flash kernel skips them.
+  Window window;
   // Multiplies q kᵀ; 1/sqrt(D) when not given.
   std::optional<T> scale;
   bool need_weights = false;
@@ -198,6 +200,7 @@ AttentionProblem<T> attention_problem(const TensorView<const T>& query,
                                          problem.query_len, problem.key_len, accepted);
   core.causal = options.causal;
   core.causal_cols = problem.key_len;
+  core.window = options.window;
   core.dropout = {options.dropout, options.dropout_seed, problem.heads, problem.query_len,
                   problem.key_len};
   return problem;

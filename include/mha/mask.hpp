@@ -29,6 +29,23 @@ enum class MaskKind { none, blocked_where_true, allowed_where_true, additive };
 
 enum class Causal { none, top_left, bottom_right };
 
+// Which corner of the [L, S] score matrix the diagonal of a causal mask or window starts from:
+// top_left aligns query i with key i, bottom_right with key i + S - L (see Causal above).
+enum class Alignment { top_left, bottom_right };
+
+// Local (sliding-window) attention with FlashAttention's inclusive convention: query i sees
+// keys j with  c - left <= j <= c + right,  c = i (top_left) or i + S - L (bottom_right);
+// a negative size is unbounded on that side (FlashAttention's -1). left = w - 1, right = 0 is a
+// causal sliding window of w keys (Mistral). It combines with causal masking and masks: a key
+// is visible only where all of them allow it. Keys from bias_k and zero attention stay visible.
+struct Window {
+  Index left = -1;
+  Index right = -1;
+  Alignment alignment = Alignment::top_left;
+
+  bool active() const { return left >= 0 || right >= 0; }
+};
+
 inline const char* mask_kind_name(MaskKind kind) {
   switch (kind) {
     case MaskKind::none:

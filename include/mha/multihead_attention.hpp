@@ -102,6 +102,11 @@ struct ForwardOptions {
   // Applies the top-left causal mask (query i sees input keys j <= i) itself, on top of
   // attn_mask. Unlike PyTorch 2.x, where is_causal is only a hint about attn_mask.
   bool is_causal = false;
+  // bottom_right aligns is_causal's diagonal with the last key (query i sees j <= i + S - L), as
+  // FlashAttention and a decoding step with cached keys need.
+  Alignment causal_alignment = Alignment::top_left;
+  // Local (sliding-window) attention over the S input keys, see Window in mask.hpp.
+  Window window;
   // Which kernel computes the heads; automatic picks flash unless weights are requested.
   Kernel kernel = Kernel::automatic;
 };
@@ -606,8 +611,11 @@ class MultiHeadAttention {
         attn_mask_layout(options.attn_mask, plan.batched, plan.batch, plan.query_len, plan.key_len);
     core.key_padding_mask =
         key_padding_layout(options.key_padding_mask, plan.batched, plan.batch, plan.key_len);
-    core.causal = options.is_causal ? Causal::top_left : Causal::none;
+    core.causal = !options.is_causal                                    ? Causal::none
+                  : options.causal_alignment == Alignment::bottom_right ? Causal::bottom_right
+                                                                        : Causal::top_left;
     core.causal_cols = plan.key_len;
+    core.window = options.window;
     return core;
   }
 

@@ -62,21 +62,6 @@ inline Index causal_visible_end(Causal causal, Index causal_cols, Index query_le
   return std::clamp<Index>(i + shift + 1, 0, causal_cols);
 }
 
-// tile holds the scores of queries row0.. and keys col0..; blocks what causal masking hides.
-template <class Tile>
-void apply_causal(Causal causal, Index causal_cols, Index query_len, Index row0, Index col0,
-                  Tile& tile) {
-  if (causal == Causal::none) return;
-  using T = typename Tile::Scalar;
-  const Index col_end = std::min(causal_cols, col0 + tile.cols());
-  for (Index i = 0; i < tile.rows(); ++i) {
-    const Index first_blocked = causal_visible_end(causal, causal_cols, query_len, row0 + i);
-    for (Index j = std::max(first_blocked, col0); j < col_end; ++j) {
-      tile(i, j - col0) = -std::numeric_limits<T>::infinity();
-    }
-  }
-}
-
 // Attention dropout (training only): each weight P[b, h, i, j] is kept with probability 1 - p
 // and then scaled by 1/(1 - p), as torch.nn.functional.dropout. Whether a weight is kept depends
 // only on the seed and its position (a counter-based generator, as FlashAttention's Philox), so
@@ -124,13 +109,47 @@ struct CoreOptions {
   MaskLayout<T> key_padding_mask;
   Causal causal = Causal::none;
   Index causal_cols = 0;
+  Window window;
   T scale = T(1);
   Dropout<T> dropout;
 
   bool any_mask() const {
     return attn_mask.kind != MaskKind::none || key_padding_mask.kind != MaskKind::none ||
-           causal != Causal::none;
+           causal != Causal::none || window.active();
   }
+
+  // Query i of L may see input keys j in [visible_begin(i), visible_end(i)) as far as causal
+  // masking and the window go (masks may block more). Both bounds never decrease with i, so a
+  // block of queries sees at most [visible_begin(first row), visible_end(last row)).
+  Index visible_begin(Index query_len, Index i) const {
+    if (window.left < 0) return 0;
+    return std::clamp<Index>(window_centre(query_len, i) - window.left, 0, causal_cols);
+  }
+  Index visible_end(Index query_len, Index i) const {
+    const Index end = causal_visible_end(causal, causal_cols, query_len, i);
+    if (window.right < 0) return end;
+    return std::min(
+        end, std::clamp<Index>(window_centre(query_len, i) + window.right + 1, 0, causal_cols));
+  }
+
+  // tile holds scores of queries row0.. and keys col0..: -inf where causal masking or the
+  // window hides a key.
+  template <class Tile>
+  void apply_visible_range(Index query_len, Index row0, Index col0, Tile& tile) const {
+    if (causal == Causal::none && !window.active()) return;
+    const Index col_end = std::min(causal_cols, col0 + tile.cols());
+    for (Index i = 0; i < tile.rows(); ++i) {
+      const Index begin = visible_begin(query_len, row0 + i);
+      const Index end = visible_end(query_len, row0 + i);
+      for (Index j = col0; j < std::min(begin, col_end); ++j) {
+        tile(i, j - col0) = -std::numeric_limits<T>::infinity();
+      }
+      for (Index j = std::max(end, col0); j < col_end; ++j) {
+        tile(i, j - col0) = -std::numeric_limits<T>::infinity();
+      }
+    }
+  }
+
   // tile <- the masks of queries row0.. and keys col0.. of head (b, h): 0, additive values, and
   // -inf where blocked. tile's columns from causal_cols on are always visible (left 0).
   template <class Tile>
@@ -138,7 +157,12 @@ struct CoreOptions {
     tile.setZero();
     attn_mask.apply(b, h, row0, col0, tile);
     key_padding_mask.apply(b, h, row0, col0, tile);
-    apply_causal(causal, causal_cols, query_len, row0, col0, tile);
+    apply_visible_range(query_len, row0, col0, tile);
+  }
+
+ private:
+  Index window_centre(Index query_len, Index i) const {
+    return window.alignment == Alignment::bottom_right ? i + causal_cols - query_len : i;
   }
 };
 

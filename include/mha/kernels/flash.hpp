@@ -32,14 +32,19 @@ struct FlashBlocks {
   Index key = 256;
 };
 
-// Calls visit(j0, cols) for each key block a query block whose last row is last_row may see:
-// the input keys up to causal masking's limit, then the extra keys (bias_k, zero attention).
-template <class Visit>
-void for_each_key_block(Causal causal, Index masked_keys, Index key_len, Index query_len,
-                        Index last_row, Index block, Visit&& visit) {
-  const Index visible_end = causal_visible_end(causal, masked_keys, query_len, last_row);
-  for (Index j0 = 0; j0 < visible_end; j0 += block) visit(j0, std::min(block, visible_end - j0));
-  for (Index j0 = masked_keys; j0 < key_len; j0 += block) visit(j0, std::min(block, key_len - j0));
+// Calls visit(j0, cols) for each key block that queries first_row..last_row may see: the input
+// keys within causal masking's and the window's limits, then the extra keys (bias_k, zero
+// attention). Key blocks outside those limits are never visited: a window of w keys costs
+// O(L·w), not O(L·S).
+template <class T, class Visit>
+void for_each_key_block(const CoreOptions<T>& options, Index key_len, Index query_len,
+                        Index first_row, Index last_row, Index block, Visit&& visit) {
+  const Index begin = options.visible_begin(query_len, first_row);
+  const Index end = options.visible_end(query_len, last_row);
+  for (Index j0 = begin; j0 < end; j0 += block) visit(j0, std::min(block, end - j0));
+  for (Index j0 = options.causal_cols; j0 < key_len; j0 += block) {
+    visit(j0, std::min(block, key_len - j0));
+  }
 }
 
 // q is (B, H, L, D), k is (B, H, S', D), v is (B, H, S', Dv), out is (B, H, L, Dv), as head
@@ -130,9 +135,7 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
         if (options.dropout.active()) options.dropout.apply(b, h, i0, j0, s);
         acc_blk.noalias() += s * v_bh.middleRows(j0, cols);
       };
-      // Causal masking hides every key from causal_visible_end(last row) on from this block.
-      for_each_key_block(options.causal, masked_keys, key_len, query_len, i0 + rows - 1, blocks.key,
-                         process);
+      for_each_key_block(options, key_len, query_len, i0, i0 + rows - 1, blocks.key, process);
 
       // One division per row at the end; a row with no visible key stays 0.
       for (Index r = 0; r < rows; ++r) {
@@ -211,9 +214,9 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
           for (Index i0 = 0; i0 < query_len; i0 += blocks.query) {
             const Index rows = std::min(blocks.query, query_len - i0);
             const bool masked_tile = any_mask && j0 < masked_keys;
-            if (masked_tile &&
-                j0 >= causal_visible_end(options.causal, masked_keys, query_len, i0 + rows - 1)) {
-              continue;  // causal masking hides this key block from every query of the block
+            if (masked_tile && (j0 >= options.visible_end(query_len, i0 + rows - 1) ||
+                                j0 + cols <= options.visible_begin(query_len, i0))) {
+              continue;  // causal masking or the window hides this key block from the queries
             }
             auto probs = mine.scores.topLeftCorner(rows, cols);
             if (masked_tile) {
@@ -253,8 +256,7 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
             grad_k_blk.noalias() += options.scale * (grad_scores.transpose() * q_blk);
           }
         };
-        for_each_key_block(options.causal, masked_keys, key_len, query_len, query_len - 1,
-                           blocks.key, key_block);
+        for_each_key_block(options, key_len, query_len, 0, query_len - 1, blocks.key, key_block);
       }
     }
   }

@@ -36,7 +36,7 @@ void attention_reference(Index batch, Index heads, const HeadLayout<const T>& q,
       scores.noalias() = options.scale * (q.at(b, h) * k.at(b, h).transpose());
       options.attn_mask.apply(b, h, 0, 0, scores);
       options.key_padding_mask.apply(b, h, 0, 0, scores);
-      apply_causal(options.causal, options.causal_cols, query_len, 0, 0, scores);
+      options.apply_visible_range(query_len, 0, 0, scores);
       // pass 2: probabilities (dropped out in training), then their weighted sum of values
       softmax_rows_inplace(scores, mine.exps);
       if (options.dropout.active()) options.dropout.apply(b, h, 0, 0, scores);
