@@ -211,3 +211,32 @@ TEST_CASE("sdpa refuses inconsistent shapes, naming the argument", "[attention][
   options.scale = std::numeric_limits<float>::infinity();
   CHECK_THROWS_AS(mha::scaled_dot_product_attention(q, k, v, options), mha::ShapeError);
 }
+
+TEST_CASE("alibi_slopes are the ALiBi paper's", "[attention][alibi]") {
+  // Expected values printed by BLOOM's get_slopes (the reference implementation of Press et al.,
+  // transformers' build_alibi_tensor uses the same rule) with python3 for n = 1, 6, 8 and 12.
+  const std::vector<double> one = {0.00390625};
+  const std::vector<double> six = {0.25, 0.0625, 0.015625, 0.00390625, 0.5, 0.125};
+  const std::vector<double> eight = {0.5,     0.25,     0.125,     0.0625,
+                                     0.03125, 0.015625, 0.0078125, 0.00390625};
+  const std::vector<double> twelve = {0.5,
+                                      0.25,
+                                      0.125,
+                                      0.0625,
+                                      0.03125,
+                                      0.015625,
+                                      0.0078125,
+                                      0.00390625,
+                                      0.7071067811865476,
+                                      0.35355339059327384,
+                                      0.17677669529663692,
+                                      0.08838834764831849};
+  CHECK(mha::alibi_slopes<double>(1) == one);
+  CHECK(mha::alibi_slopes<double>(6) == six);
+  CHECK(mha::alibi_slopes<double>(8) == eight);
+  const auto slopes = mha::alibi_slopes<double>(12);
+  REQUIRE(slopes.size() == twelve.size());
+  for (std::size_t h = 0; h < twelve.size(); ++h)
+    CHECK(slopes[h] == Approx(twelve[h]).epsilon(1e-15));
+  CHECK(mha::alibi_slopes<double>(0).empty());
+}

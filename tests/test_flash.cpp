@@ -331,3 +331,52 @@ TEMPLATE_TEST_CASE("a window equals the additive mask it describes, and skipping
     }
   }
 }
+
+TEMPLATE_TEST_CASE("ALiBi equals the additive bias it describes", "[flash][alibi]", float, double) {
+  using T = TestType;
+  const Index H = 3, L = 70, S = 150, D = 4;
+  const auto q = mha_test::random_tensor<T>({H, L, D}, 1);
+  const auto k = mha_test::random_tensor<T>({H, S, D}, 2);
+  const auto v = mha_test::random_tensor<T>({H, S, D}, 3);
+  const auto g = mha_test::random_tensor<T>({H, L, D}, 4);
+  const std::vector<T> slopes = mha::alibi_slopes<T>(H);
+  for (const auto alignment : {mha::Alignment::top_left, mha::Alignment::bottom_right}) {
+    // -slope_h * |c - j|, c = i or i + S - L, written out per head
+    Tensor<T> written({H, L, S});
+    const Index shift = alignment == mha::Alignment::bottom_right ? S - L : 0;
+    for (Index h = 0; h < H; ++h) {
+      for (Index i = 0; i < L; ++i) {
+        for (Index j = 0; j < S; ++j) {
+          written(h, i, j) =
+              -slopes[static_cast<std::size_t>(h)] * static_cast<T>(std::abs(i + shift - j));
+        }
+      }
+    }
+    for (const auto kernel : {mha::Kernel::reference, mha::Kernel::flash}) {
+      mha::AttentionOptions<T> masked;
+      masked.mask = Mask<T>::additive(written);
+      masked.causal = Causal::bottom_right;
+      masked.kernel = kernel;
+      mha::AttentionOptions<T> biased = masked;
+      biased.mask = Mask<T>();
+      biased.alibi_slopes = slopes;
+      biased.alibi_alignment = alignment;
+      const auto expected = mha::scaled_dot_product_attention(q, k, v, masked);
+      const auto actual = mha::scaled_dot_product_attention(q, k, v, biased);
+      INFO(mha::kernel_name(kernel)
+           << (alignment == mha::Alignment::top_left ? " top-left" : " bottom-right"));
+      CHECK_TENSORS_CLOSE(actual.output, expected.output);
+      const auto expected_grads =
+          mha::scaled_dot_product_attention_backward<T>(q, k, v, expected, g, masked);
+      const auto actual_grads =
+          mha::scaled_dot_product_attention_backward<T>(q, k, v, actual, g, biased);
+      CHECK_GRADIENTS_CLOSE(actual_grads.query, expected_grads.query);
+      CHECK_GRADIENTS_CLOSE(actual_grads.key, expected_grads.key);
+      CHECK_GRADIENTS_CLOSE(actual_grads.value, expected_grads.value);
+    }
+  }
+  mha::AttentionOptions<T> wrong;
+  wrong.alibi_slopes = {T(1), T(2)};
+  CHECK_THROWS_WITH(mha::scaled_dot_product_attention(q, k, v, wrong),
+                    "alibi_slopes: expected one slope per query head, [3], got [2]");
+}

@@ -13,6 +13,7 @@
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "mha/kernels/flash.hpp"
 #include "mha/kernels/reference.hpp"
@@ -85,7 +86,47 @@ inline void check_dropout(double p) {
   }
 }
 
+// ALiBi slopes are either absent or one finite slope per query head.
+template <class T>
+const T* checked_alibi_slopes(const std::vector<T>& slopes, Index heads) {
+  if (slopes.empty()) return nullptr;
+  if (static_cast<Index>(slopes.size()) != heads) {
+    throw_shape("alibi_slopes", "one slope per query head, [" + std::to_string(heads) + "]",
+                {static_cast<Index>(slopes.size())});
+  }
+  for (const T slope : slopes) {
+    if (!std::isfinite(slope)) {
+      throw_argument("alibi_slopes", "must be finite, got " + std::to_string(slope));
+    }
+  }
+  return slopes.data();
+}
+
 }  // namespace detail
+
+// The ALiBi paper's slopes for H heads (Press et al. 2022, as BLOOM and MPT use them): for H a
+// power of two, 2^(-8 (h + 1) / H); otherwise those of the largest power of two below H, then
+// every other slope of twice that many.
+template <class T>
+std::vector<T> alibi_slopes(Index heads) {
+  const auto power_of_two_slopes = [](Index n) {
+    std::vector<T> slopes;
+    for (Index h = 0; h < n; ++h) {
+      slopes.push_back(
+          static_cast<T>(std::exp2(-8.0 * static_cast<double>(h + 1) / static_cast<double>(n))));
+    }
+    return slopes;
+  };
+  if (heads <= 0) return {};
+  Index closest = 1;
+  while (closest * 2 <= heads) closest *= 2;
+  std::vector<T> slopes = power_of_two_slopes(closest);
+  const std::vector<T> doubled = power_of_two_slopes(2 * closest);
+  for (Index h = 0; static_cast<Index>(slopes.size()) < heads; h += 2) {
+    slopes.push_back(doubled[static_cast<std::size_t>(h)]);
+  }
+  return slopes;
+}
 
 template <class T>
 struct AttentionOptions {
@@ -94,6 +135,10 @@ struct AttentionOptions {
   Causal causal = Causal::none;
   // Local attention: keys outside the window are blocked, and the flash kernel skips them.
   Window window;
+  // ALiBi: empty, or one slope per query head (alibi_slopes<T>(H) gives the paper's); adds
+  // -slope_h * |c - j| to the scaled scores, c = i or i + S - L (alibi_alignment).
+  std::vector<T> alibi_slopes;
+  Alignment alibi_alignment = Alignment::top_left;
   // Multiplies q kᵀ; 1/sqrt(D) when not given.
   std::optional<T> scale;
   bool need_weights = false;
@@ -201,6 +246,8 @@ AttentionProblem<T> attention_problem(const TensorView<const T>& query,
   core.causal = options.causal;
   core.causal_cols = problem.key_len;
   core.window = options.window;
+  core.alibi_slopes = checked_alibi_slopes(options.alibi_slopes, problem.heads);
+  core.alibi_alignment = options.alibi_alignment;
   core.dropout = {options.dropout, options.dropout_seed, problem.heads, problem.query_len,
                   problem.key_len};
   return problem;

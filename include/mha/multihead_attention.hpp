@@ -107,6 +107,10 @@ struct ForwardOptions {
   Alignment causal_alignment = Alignment::top_left;
   // Local (sliding-window) attention over the S input keys, see Window in mask.hpp.
   Window window;
+  // ALiBi (BLOOM, MPT): empty, or one slope per head (alibi_slopes<T>(H) gives the paper's);
+  // adds -slope_h * |c - j| to head h's scores of the input keys, c = i or i + S - L
+  // (causal_alignment). bias_k and the zero key get no position bias.
+  std::vector<T> alibi_slopes;
   // Which kernel computes the heads; automatic picks flash unless weights are requested.
   Kernel kernel = Kernel::automatic;
 };
@@ -616,6 +620,8 @@ class MultiHeadAttention {
                                                                         : Causal::top_left;
     core.causal_cols = plan.key_len;
     core.window = options.window;
+    core.alibi_slopes = detail::checked_alibi_slopes(options.alibi_slopes, config_.num_heads);
+    core.alibi_alignment = options.causal_alignment;
     return core;
   }
 

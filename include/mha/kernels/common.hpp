@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -110,12 +111,17 @@ struct CoreOptions {
   Causal causal = Causal::none;
   Index causal_cols = 0;
   Window window;
+  // ALiBi: null, or one slope per query head; adds -slope_h * |c - j| to the scores of the input
+  // keys, c = i or i + S - L (alibi_alignment), as FlashAttention's alibi_slopes.
+  const T* alibi_slopes = nullptr;
+  Alignment alibi_alignment = Alignment::top_left;
   T scale = T(1);
   Dropout<T> dropout;
 
+  // True when some tiles need masks() (anything besides the scaled scores).
   bool any_mask() const {
     return attn_mask.kind != MaskKind::none || key_padding_mask.kind != MaskKind::none ||
-           causal != Causal::none || window.active();
+           causal != Causal::none || window.active() || alibi_slopes != nullptr;
   }
 
   // Query i of L may see input keys j in [visible_begin(i), visible_end(i)) as far as causal
@@ -158,13 +164,38 @@ struct CoreOptions {
     attn_mask.apply(b, h, row0, col0, tile);
     key_padding_mask.apply(b, h, row0, col0, tile);
     apply_visible_range(query_len, row0, col0, tile);
+    if (alibi_slopes != nullptr) add_alibi(h, query_len, row0, col0, tile);
   }
 
  private:
   Index window_centre(Index query_len, Index i) const {
     return window.alignment == Alignment::bottom_right ? i + causal_cols - query_len : i;
   }
+
+  template <class Tile>
+  void add_alibi(Index h, Index query_len, Index row0, Index col0, Tile& tile) const {
+    const T slope = alibi_slopes[h];
+    const Index shift = alibi_alignment == Alignment::bottom_right ? causal_cols - query_len : 0;
+    const Index width = std::min(causal_cols - col0, tile.cols());
+    for (Index i = 0; i < tile.rows(); ++i) {
+      const Index centre = row0 + i + shift;
+      for (Index j = 0; j < width; ++j) {
+        tile(i, j) -= slope * static_cast<T>(std::abs(centre - (col0 + j)));
+      }
+    }
+  }
 };
+
+// Below this many multiply-adds a parallel region costs more than it saves, and far more on a
+// loaded machine, where OpenMP's spinning threads wait for cores that other processes hold
+// (measured: a test of tiny attention problems took 50 s instead of 0.4 s at load 3.7 on two
+// cores). Eigen does not thread a product below about 10^5 either.
+constexpr double kMinParallelWork = 65536;
+
+// Whether work spread over `tasks` tasks is worth a parallel region.
+inline bool worth_threads(Index tasks, double multiply_adds) {
+  return tasks > 1 && multiply_adds >= kMinParallelWork;
+}
 
 // The threads a parallel region of the kernels may use, and this thread's index in it.
 inline int max_threads() {

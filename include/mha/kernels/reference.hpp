@@ -20,10 +20,12 @@ void attention_reference(Index batch, Index heads, const HeadLayout<const T>& q,
                          std::vector<KernelScratch<T>>& scratch) {
   const Index query_len = q.rows, key_len = k.rows;
   const Index tasks = batch * heads;
+  const double work = static_cast<double>(tasks) * static_cast<double>(query_len) *
+                      static_cast<double>(key_len) * static_cast<double>(q.cols + v.cols);
   // One (batch, head) per task, computed whole by one thread: results do not depend on the
   // number of threads.
   scratch_for_threads(scratch);
-  MHA_OMP_PRAGMA(omp parallel if (tasks > 1)) {
+  MHA_OMP_PRAGMA(omp parallel if (worth_threads(tasks, work))) {
     // This thread's buffers: resized only when the shapes change.
     KernelScratch<T>& mine = scratch[static_cast<std::size_t>(thread_index())];
     mine.scores.resize(query_len, key_len);
@@ -32,11 +34,10 @@ void attention_reference(Index batch, Index heads, const HeadLayout<const T>& q,
     MHA_OMP_PRAGMA(omp for schedule(static))
     for (Index task = 0; task < tasks; ++task) {
       const Index b = task / heads, h = task % heads;
-      // pass 1: scaled scores and masks (scale folded into the GEMM's alpha)
-      scores.noalias() = options.scale * (q.at(b, h) * k.at(b, h).transpose());
-      options.attn_mask.apply(b, h, 0, 0, scores);
-      options.key_padding_mask.apply(b, h, 0, 0, scores);
-      options.apply_visible_range(query_len, 0, 0, scores);
+      // pass 1: masks and position biases, plus the scaled scores (scale folded into the GEMM's
+      // alpha)
+      options.masks(b, h, query_len, 0, 0, scores);
+      scores.noalias() += options.scale * (q.at(b, h) * k.at(b, h).transpose());
       // pass 2: probabilities (dropped out in training), then their weighted sum of values
       softmax_rows_inplace(scores, mine.exps);
       if (options.dropout.active()) options.dropout.apply(b, h, 0, 0, scores);
@@ -70,8 +71,10 @@ void attention_reference_backward(Index batch, Index heads, const HeadLayout<con
   const Index query_len = q.rows, key_len = k.rows;
   const Index group = k.group;
   const Index tasks = batch * (heads / group);
+  const double work = 2.0 * static_cast<double>(batch * heads) * static_cast<double>(query_len) *
+                      static_cast<double>(key_len) * static_cast<double>(q.cols + v.cols);
   scratch_for_threads(scratch);
-  MHA_OMP_PRAGMA(omp parallel if (tasks > 1)) {
+  MHA_OMP_PRAGMA(omp parallel if (worth_threads(tasks, work))) {
     KernelScratch<T>& mine = scratch[static_cast<std::size_t>(thread_index())];
     mine.scores.resize(query_len, key_len);
     mine.grad_scores.resize(query_len, key_len);
