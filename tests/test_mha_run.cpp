@@ -72,7 +72,8 @@ void check_refused(const std::string& arguments, const std::string& expected_fra
 
 TEST_CASE("mha_run reproduces PyTorch on a fixture, end to end", "[mha_run]") {
   const fs::path out = scratch_dir() / "out.safetensors";
-  for (const std::string name : {"f32_everything", "f64_unbatched_masks"}) {
+  for (const std::string name : {"f32_everything", "f64_unbatched_masks",
+                                 "gqa_f32_kv2_kdim_vdim_bias_kv_zero_attn_per_head"}) {
     INFO(name);
     const Run run = run_tool("'" + fixture(name + ".in.safetensors") + "' '" + out.string() + "'");
     REQUIRE(run.exit_code == 0);
@@ -119,7 +120,8 @@ TEST_CASE("mha_run with grad_output writes PyTorch autograd's gradients, end to 
           "[mha_run][gradients]") {
   const fs::path out = scratch_dir() / "out.safetensors";
   for (const std::string name :
-       {"grad_f32_everything_flash", "grad_f64_everything_no_bias", "grad_f32_self_basic"}) {
+       {"grad_f32_everything_flash", "grad_f64_everything_no_bias", "grad_f32_self_basic",
+        "gqa_grad_f64_kv3_bias_kv_float_mask_per_head"}) {
     INFO(name);
     const Run run = run_tool("'" + fixture(name + ".in.safetensors") + "' '" + out.string() + "'");
     REQUIRE(run.exit_code == 0);
@@ -167,11 +169,48 @@ TEST_CASE("mha_run refuses a grad_output that is not the shape or dtype of outpu
 TEST_CASE("mha_run --help documents the contract", "[mha_run]") {
   const Run run = run_tool("--help");
   CHECK(run.exit_code == 0);
-  for (const char* word : {"num_heads", "key_padding_mask", "attn_mask", "need_weights",
-                           "average_attn_weights", "is_causal", "add_zero_attn", "attn_weights",
-                           "grad_output", "grad.query", "grad.key", "grad.value", "grad.<name>"}) {
+  for (const char* word :
+       {"num_heads", "key_padding_mask", "attn_mask", "need_weights", "average_attn_weights",
+        "is_causal", "add_zero_attn", "attn_weights", "grad_output", "grad.query", "grad.key",
+        "grad.value", "grad.<name>", "num_kv_heads", "[H_kv*D, kdim]", "[E + 2*H_kv*D]"}) {
     CHECK(run.out.find(word) != std::string::npos);
   }
+}
+
+TEST_CASE("mha_run checks metadata num_kv_heads against k_proj_weight", "[mha_run][errors]") {
+  const fs::path dir = scratch_dir();
+  const std::string out = "'" + (dir / "out.safetensors").string() + "'";
+  const auto run_with = [&](mha::io::SafetensorsFile file) {
+    mha::io::write_safetensors((dir / "kv.safetensors").string(), file);
+    return "'" + (dir / "kv.safetensors").string() + "' " + out;
+  };
+  // Multi-query: H = 4, E = 16 (D = 4), k_proj_weight [4, 16] gives H_kv = 1.
+  const auto mqa = mha::io::read_safetensors(fixture("gqa_f32_mqa_self.in.safetensors"));
+  REQUIRE(mqa.metadata.at("num_kv_heads") == "1");
+  REQUIRE(mqa.at("k_proj_weight").shape == mha::Shape{4, 16});
+  auto file = mqa;
+  file.metadata["num_kv_heads"] = "2";
+  check_refused(run_with(file),
+                "metadata 'num_kv_heads': expected 1 (k_proj_weight [4, 16] with D = 4), got 2");
+  file.metadata["num_kv_heads"] = "4";  // num_heads, but the parameters are multi-query
+  check_refused(run_with(file), "metadata 'num_kv_heads': expected 1");
+  file.metadata["num_kv_heads"] = "0";
+  check_refused(run_with(file), "metadata 'num_kv_heads': expected a positive integer, got \"0\"");
+  file.metadata["num_kv_heads"] = "one";
+  check_refused(run_with(file), "metadata 'num_kv_heads': expected a positive integer");
+  // Optional: without it, k_proj_weight decides.
+  file.metadata.erase("num_kv_heads");
+  CHECK(run_tool(run_with(file)).exit_code == 0);
+
+  // A packed in_proj_weight means H_kv = num_heads (here 2).
+  auto packed = mha::io::read_safetensors(fixture("f32_self_basic.in.safetensors"));
+  REQUIRE(packed.tensors.count("in_proj_weight") == 1);
+  packed.metadata["num_kv_heads"] = "1";
+  check_refused(run_with(packed),
+                "metadata 'num_kv_heads': expected 2 (num_heads, as in_proj_weight is packed), "
+                "got 1");
+  packed.metadata["num_kv_heads"] = "2";
+  CHECK(run_tool(run_with(packed)).exit_code == 0);
 }
 
 TEST_CASE("mha_run refuses bad input with exit code 1 and one line", "[mha_run][errors]") {

@@ -24,12 +24,18 @@ IN holds:
     k_proj_weight [E, kdim], v_proj_weight [E, vdim]), in_proj_bias [3E], out_proj.weight [E, E],
     out_proj.bias [E], bias_k and bias_v [1, 1, E]. Which are present decides bias, add_bias_kv,
     kdim and vdim.
+  grouped-query attention (H_kv key/value heads, a divisor of H; 1 = multi-query; query head h
+    reads key/value head h / (H / H_kv)): always q_proj_weight [E, E], k_proj_weight
+    [H_kv*D, kdim], v_proj_weight [H_kv*D, vdim] (D = E / H), in_proj_bias [E + 2*H_kv*D] (q, k,
+    then v entries), bias_k and bias_v [1, 1, H_kv*D]. H_kv is the rows of k_proj_weight / D.
   query [B, L, E], key [B, S, kdim], value [B, S, vdim]  (or unbatched [L, E], [S, kdim], [S, vdim])
   key_padding_mask [B, S] ([S] unbatched), optional
   attn_mask [L, S] or [B*H, L, S] ([H, L, S] unbatched), optional
     masks are BOOL with true = blocked (PyTorch MHA's convention), or float, added to the scores.
   grad_output, the shape of output ([B, L, E] or [L, E]), optional: the upstream gradient.
-  __metadata__: num_heads (required), and each "0" or "1": add_zero_attn (default 0),
+  __metadata__: num_heads (required); num_kv_heads (optional, a positive integer: when present it
+    must be the H_kv that k_proj_weight gives, num_heads with in_proj_weight); and each "0" or
+    "1": add_zero_attn (default 0),
     need_weights (default 1), average_attn_weights (default 1), is_causal (default 0: when 1, the
     top-left causal mask, key j > query i blocked, is applied on top of any attn_mask);
     kernel: auto (default: flash without weights, reference with), reference or flash
@@ -75,17 +81,41 @@ inline Kernel kernel(const io::SafetensorsFile& file) {
                    it->second + "\"");
 }
 
-inline Index num_heads(const io::SafetensorsFile& file) {
-  const auto it = file.metadata.find("num_heads");
-  if (it == file.metadata.end()) throw ShapeError("metadata 'num_heads': missing (required)");
+// A positive integer under `key`, or 0 when the key is absent and not required.
+inline Index positive_integer(const io::SafetensorsFile& file, const std::string& key,
+                              bool required) {
+  const auto it = file.metadata.find(key);
+  if (it == file.metadata.end()) {
+    if (required) throw ShapeError("metadata '" + key + "': missing (required)");
+    return 0;
+  }
   const std::string& text = it->second;
   const bool digits = !text.empty() && text.size() <= 9 &&
                       text.find_first_not_of("0123456789") == std::string::npos;
   const long value = digits ? std::stol(text) : 0;  // at most 9 digits: no overflow
   if (value == 0) {
-    throw ShapeError("metadata 'num_heads': expected a positive integer, got \"" + text + "\"");
+    throw ShapeError("metadata '" + key + "': expected a positive integer, got \"" + text + "\"");
   }
   return static_cast<Index>(value);
+}
+
+inline Index num_heads(const io::SafetensorsFile& file) {
+  return positive_integer(file, "num_heads", true);
+}
+
+// num_kv_heads is redundant with k_proj_weight's rows (H_kv·D) and only checked: a mismatch means
+// the file was written for another layer than its parameters describe.
+template <class T>
+void check_num_kv_heads(const io::SafetensorsFile& file, const MultiHeadAttention<T>& layer) {
+  const Index declared = positive_integer(file, "num_kv_heads", false);
+  if (declared == 0 || declared == layer.num_kv_heads()) return;
+  const std::string source =
+      layer.packed_projection()
+          ? "num_heads, as in_proj_weight is packed"
+          : "k_proj_weight " + mha::detail::format_shape(layer.parameter("k_proj_weight").shape()) +
+                " with D = " + std::to_string(layer.head_dim());
+  throw ShapeError("metadata 'num_kv_heads': expected " + std::to_string(layer.num_kv_heads()) +
+                   " (" + source + "), got " + std::to_string(declared));
 }
 
 // Inputs and float masks must have query's dtype: a mismatch is more likely an export mistake
@@ -120,6 +150,7 @@ io::SafetensorsFile run_as(const io::SafetensorsFile& in) {
   const auto state = io::read_state_dict<T>(in, parameter_names);
   auto layer = MultiHeadAttention<T>::from_state_dict(state, num_heads(in),
                                                       flag(in, "add_zero_attn", false));
+  check_num_kv_heads(in, layer);
   ForwardOptions<T> options;
   options.need_weights = flag(in, "need_weights", true);
   options.average_attn_weights = flag(in, "average_attn_weights", true);

@@ -2,12 +2,18 @@
 """Out-of-sample check of the `mha_run IN OUT` command-line tool against torch 1.13.
 
   /usr/bin/python3 tests/reference/check_mha_run.py --mha-run PATH/TO/mha_run [--count 200] [--seed 1]
-                                                   [--grad-share 0.5]
+                                                   [--grad-share 0.5] [--gqa-share 0.3]
       Generates COUNT random configurations with generate.py (random shapes and options, float32 and
       float64), runs `mha_run case.in.safetensors out.safetensors` on each and compares `output` and
       `attn_weights` with torch's: |a - b| <= atol + rtol * |b| (float32: rtol 1.3e-6, atol 1e-5, torch.testing.assert_close's defaults;
       float64: rtol 1e-11, atol 1e-12).  Shapes and dtypes must match exactly; `attn_weights` must be
       absent when need_weights is 0.
+      A share of the configurations (--gqa-share, default 0.3, from its own random stream; 0 gives
+      the configurations of earlier runs) are grouped-query attention: H in {2, 3, 4, 6, 8}, H_kv a
+      proper divisor (num_kv_heads in the metadata unless it is minimal). torch 1.13 has no GQA:
+      their expected values come from generate.written_out_mha, which every run checks against
+      torch's module: on every non-GQA case (the same code with H_kv = H; they agree bit for bit),
+      and on every GQA case with the key/value heads expanded (see generate.py).
       A share of the cases (--grad-share, default 0.5; 0 turns gradients off; the choice comes from
       its own random stream, so --seed K gives the same configurations whatever the share) also get
       a random `grad_output` in IN, and a third of those without weights metadata kernel=reference.
@@ -18,7 +24,7 @@
 
   /usr/bin/python3 tests/reference/check_mha_run.py --mha-run PATH --cases-dir tests/reference/data
       The same comparison over existing NAME.in / NAME.expected pairs (e.g. the committed fixtures;
-      the grad_* ones include gradients).
+      the grad_* and gqa_grad_* ones include gradients, the gqa_* ones are grouped-query attention).
 
   /usr/bin/python3 tests/reference/check_mha_run.py --mha-run PATH --malformed
       Writes malformed inputs (broken safetensors framing, bad header entries, missing or inconsistent
@@ -162,10 +168,11 @@ def select_gradients(specs, seed, share):
 
 
 def run_random(args, work_dir):
-    specs = gen.random_specs(args.count, args.seed)
+    specs = gen.random_specs(args.count, args.seed, args.gqa_share)
     select_gradients(specs, args.seed, args.grad_share)
     passed = failed = 0
     with_grad = 0
+    gqa = {}  # "grouped" / "multi-query" -> (cases, with gradients, failed)
     worst = {}  # dtype name -> (share of the gradient tolerance, case and tensor)
     for spec in specs:
         with_grad += spec.grad
@@ -182,8 +189,16 @@ def run_random(args, work_dir):
             passed += 1
             if args.verbose:
                 print(f"ok   {spec.name}: {spec.summary()}")
+        if spec.gqa:
+            kind = "multi-query" if spec.H_kv == 1 else "grouped-query"
+            n, g, f = gqa.get(kind, (0, 0, 0))
+            gqa[kind] = (n + 1, g + spec.grad, f + bool(msgs))
     print(f"{with_grad} of {len(specs)} random cases with gradients")
+    for kind, (n, g, f) in sorted(gqa.items()):
+        print(f"{n} {kind} cases (H_kv {'= 1' if kind == 'multi-query' else '> 1'}), {g} with gradients, "
+              f"{f} failed")
     print_usage(worst)
+    gen.print_cross_check()
     return passed, failed
 
 
@@ -350,6 +365,8 @@ def malformed_inputs():
     add("need_weights_2", gen.safetensors_bytes(t, with_meta(need_weights="2")))
     add("is_causal_yes", gen.safetensors_bytes(t, with_meta(is_causal="yes")))
     add("add_zero_attn_empty", gen.safetensors_bytes(t, with_meta(add_zero_attn="")))
+    add("num_kv_heads_not_k_proj_weight", gen.safetensors_bytes(t, with_meta(num_kv_heads="1")))  # H = 2
+    add("num_kv_heads_zero", gen.safetensors_bytes(t, with_meta(num_kv_heads="0")))
     add("nonexistent_input_file", None)
     return cases
 
@@ -401,6 +418,8 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=1, help="seed of the random cases (default: %(default)s)")
     ap.add_argument("--grad-share", type=float, default=0.5, metavar="P",
                     help="share of the random cases that also check gradients (default: %(default)s)")
+    ap.add_argument("--gqa-share", type=float, default=0.3, metavar="P",
+                    help="share of the random cases that are grouped-query attention (default: %(default)s)")
     ap.add_argument("--malformed", action="store_true", help="check malformed inputs instead")
     ap.add_argument("--cases-dir", metavar="DIR", help="check existing NAME.in/NAME.expected pairs in DIR instead")
     ap.add_argument("--keep", metavar="DIR", help="write the cases and outputs to DIR and keep them")
@@ -409,6 +428,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if not 0.0 <= args.grad_share <= 1.0:
         ap.error(f"--grad-share must be in [0, 1], got {args.grad_share}")
+    if not 0.0 <= args.gqa_share <= 1.0:
+        ap.error(f"--gqa-share must be in [0, 1], got {args.gqa_share}")
     if not (os.path.isfile(args.mha_run) and os.access(args.mha_run, os.X_OK)):
         ap.error(f"not an executable file: {args.mha_run}")
     args.mha_run = os.path.abspath(args.mha_run)

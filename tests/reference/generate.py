@@ -1,13 +1,15 @@
 #!/usr/bin/python3
-"""Reference fixtures for mha, computed by real torch.nn.MultiheadAttention.
+"""Reference fixtures for mha, computed by real torch.nn.MultiheadAttention (grouped-query attention
+by torch written out, checked against the module).
 
 For every case NAME two safetensors files are written:
 
   NAME.in.safetensors        the input of `mha_run IN OUT`: module parameters under their
                              state_dict names, query/key/value, optional masks, and metadata
                              num_heads, add_zero_attn, need_weights, average_attn_weights, is_causal
-                             (and kernel in a few cases).  Gradient cases (grad_*) also hold
-                             grad_output, the shape of output.
+                             (and kernel in a few cases; num_kv_heads in the gqa_* cases).
+                             Gradient cases (grad_*, gqa_grad_*) also hold grad_output, the
+                             shape of output.
   NAME.expected.safetensors  `output` and (need_weights=1) `attn_weights` as returned by torch,
                              the same metadata plus a "description".  Gradient cases also hold
                              torch autograd's gradients of loss = (output * grad_output).sum():
@@ -19,7 +21,8 @@ Usage:
   /usr/bin/python3 tests/reference/generate.py --random N --seed K --out DIR
 
 Dimension letters: B batch, L query length, S key length, E embed dim, H heads, D = E / H,
-kdim / vdim the key / value feature sizes, S' = S + add_bias_kv + add_zero_attn.
+kdim / vdim the key / value feature sizes, S' = S + add_bias_kv + add_zero_attn, H_kv key/value
+heads (grouped-query attention; H_kv = H otherwise).
 
 Torch here is Debian's python3-torch 1.13, but the target semantics are PyTorch 2.x. Where they differ
 (only in how masks are merged), the expected values are still computed by torch itself, on masks we merge
@@ -66,10 +69,33 @@ Gradients (the grad_* cases, and random cases whose Spec has grad=True):
   * need_weights=1 makes mha run its reference kernel, need_weights=0 its flash kernel; a few cases
     set metadata kernel=reference (or flash) with need_weights=0.  The weights torch returns are
     not part of the loss.  Two "tiles" cases have more queries and keys than one flash block.
+
+Grouped-query attention (the gqa_* cases, and random cases made GQA by --gqa-share):
+
+  * num_kv_heads = H_kv divides H (1 = multi-query); query head h reads key/value head h // (H / H_kv),
+    as SDPA's enable_gqa.  Parameters: q_proj_weight [E, E], k_proj_weight [H_kv*D, kdim],
+    v_proj_weight [H_kv*D, vdim], in_proj_bias [E + 2*H_kv*D] (q, k, v entries), bias_k / bias_v
+    [1, 1, H_kv*D]; metadata num_kv_heads (full metadata only: mha_run infers it from k_proj_weight).
+  * torch 1.13's nn.MultiheadAttention has no GQA, so written_out_mha computes these cases: torch 1.13's
+    F.multi_head_attention_forward step by step (same layout and products), with the key/value heads
+    repeated by repeat_interleave(H // H_kv) after the zero attention column, and the masks merged
+    with the 2.x rules above (bool true = blocked, float added, is_causal top-left over the S input
+    keys, the bias_k / zero columns visible).  Gradients by torch autograd through it.
+  * The written-out reference is itself checked whenever a case is built (build_case): on every
+    non-GQA case against torch's module (to 1e-6 (f32) / 1e-12 (f64) of each tensor's scale
+    max(1, max|torch|), output, weights and every gradient; they agree bit for bit on all 94
+    fixtures and on thousands of random cases), and on every GQA case, in float64, against torch's
+    module with H heads whose key/value projection rows are repeated per group, the expanded
+    parameters' gradients summed over each group (_expansion_check, 1e-12 of scale).  A wrong head
+    mapping (repeat instead of repeat_interleave) fails it by 8 on the first grouped case.
+  * Each gqa_* case draws from its own seed (the CRC-32 of its name) as every case does, and adds no
+    key to the metadata of the other cases, so those are byte for byte what they were.
 """
 
 import argparse
+import copy
 import json
+import math
 import os
 import struct
 import sys
@@ -78,6 +104,7 @@ import zlib
 import numpy as np
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 # ----------------------------------------------------------------------------------------------
 # safetensors I/O (the python package is not available here)
@@ -189,7 +216,8 @@ class Spec:
     def __init__(self, name, description, dtype="f32", B=2, L=4, S=None, E=8, H=2, kdim=None,
                  vdim=None, bias=True, add_bias_kv=False, add_zero_attn=False, self_attn=False,
                  attn_mask=None, attn_inf=False, kpm=None, kpm_inf=False, is_causal=False,
-                 need_weights=True, average=True, meta="full", seed=None, kernel=None, grad=False):
+                 need_weights=True, average=True, meta="full", seed=None, kernel=None, grad=False,
+                 num_kv_heads=None):
         assert dtype in ("f32", "f64")
         assert attn_mask in (None, "bool2d", "bool3d", "float2d", "float3d")
         assert kpm in (None, "bool", "float")
@@ -211,7 +239,16 @@ class Spec:
         self.kernel = kernel  # None: no "kernel" key in the metadata (mha_run's default, auto)
         self.grad = grad  # also write grad_output and torch's gradients
         assert E % H == 0, name
+        # H_kv: None means H and no "num_kv_heads" key in the metadata (every non-GQA case).
+        self.num_kv_heads = num_kv_heads
+        self.H_kv = H if num_kv_heads is None else num_kv_heads
+        assert self.H_kv >= 1 and H % self.H_kv == 0, name
         self.seed = zlib.crc32(name.encode()) if seed is None else seed
+
+    @property
+    def gqa(self):
+        """Grouped-query attention: torch 1.13's MHA cannot compute it (see written_out_mha)."""
+        return self.H_kv != self.H
 
     def metadata(self):
         full = {"num_heads": str(self.H),
@@ -221,14 +258,18 @@ class Spec:
                 "is_causal": "1" if self.is_causal else "0"}
         if self.kernel is not None:
             full["kernel"] = self.kernel
+        if self.num_kv_heads is not None:
+            full["num_kv_heads"] = str(self.num_kv_heads)
         if self.meta == "full":
             return full
+        # Minimal metadata also leaves out num_kv_heads, which mha_run infers from k_proj_weight.
         defaults = {"add_zero_attn": "0", "need_weights": "1", "average_attn_weights": "1", "is_causal": "0"}
-        return {k: v for k, v in full.items() if k in ("num_heads", "kernel") or defaults[k] != v}
+        return {k: v for k, v in full.items()
+                if k in ("num_heads", "kernel") or (k in defaults and defaults[k] != v)}
 
     def summary(self):
         parts = [self.dtype, "unbatched" if self.B is None else f"B={self.B}",
-                 f"L={self.L} S={self.S} E={self.E} H={self.H}"]
+                 f"L={self.L} S={self.S} E={self.E} H={self.H}" + (f" H_kv={self.H_kv}" if self.gqa else "")]
         if self.kdim != self.E or self.vdim != self.E:
             parts.append(f"kdim={self.kdim} vdim={self.vdim}")
         parts.append("self" if self.self_attn else "cross")
@@ -347,33 +388,287 @@ def _torch_masks(spec, attn_mask, kpm, tdt):
     return am, kp
 
 
-def build_case(spec):
-    """Returns (in_tensors, in_metadata, expected_tensors, expected_metadata)."""
+def param_shapes(spec):
+    """{state_dict name: shape} of the layer: torch's own for H_kv = H (checked against the module
+    in build_case), and for grouped-query attention the library's: q_proj_weight [E, E],
+    k_proj_weight [H_kv*D, kdim], v_proj_weight [H_kv*D, vdim], in_proj_bias [E + 2*H_kv*D],
+    bias_k / bias_v [1, 1, H_kv*D] (never a packed in_proj_weight: K and V are narrower)."""
+    E = spec.E
+    W = spec.H_kv * (E // spec.H)  # H_kv*D, the key/value projection width
+    shapes = {"out_proj.weight": (E, E)}
+    if spec.kdim == E and spec.vdim == E and not spec.gqa:
+        shapes["in_proj_weight"] = (3 * E, E)
+    else:
+        shapes.update({"q_proj_weight": (E, E), "k_proj_weight": (W, spec.kdim),
+                       "v_proj_weight": (W, spec.vdim)})
+    if spec.bias:
+        shapes.update({"in_proj_bias": (E + 2 * W,), "out_proj.bias": (E,)})
+    if spec.add_bias_kv:
+        shapes.update({"bias_k": (1, 1, W), "bias_v": (1, 1, W)})
+    return shapes
+
+
+def _additive_mask(spec, attn_mask, kpm, tdt):
+    """The PyTorch 2.x merge of the masks as one float [B, H, L, S] (None without masks): a bool
+    mask is -inf where true, a float one is added; attn_mask + key_padding_mask; is_causal writes
+    -inf where key j > query i (top-left, over the S input keys)."""
+    B = 1 if spec.B is None else spec.B
+    H, L, S = spec.H, spec.L, spec.S
+
+    def additive(m):
+        t = torch.from_numpy(m)
+        return torch.zeros(t.shape, dtype=tdt).masked_fill(t, float("-inf")) if t.dtype == torch.bool else t
+    total = None
+    if attn_mask is not None:
+        a = additive(attn_mask)  # [L, S], or [B*H, L, S] indexed b*H + h ([H, L, S] unbatched)
+        total = a.reshape(1, 1, L, S) if a.dim() == 2 else a.reshape(B, H, L, S)
+    if kpm is not None:
+        k = additive(kpm).reshape(B, 1, 1, S)
+        total = k if total is None else total + k
+    if spec.is_causal:
+        base = torch.zeros((L, S), dtype=tdt) if total is None else total
+        total = base.masked_fill(torch.from_numpy(causal_mask(L, S)), float("-inf"))
+    return None if total is None else total.expand(B, H, L, S)
+
+
+def written_out_mha(spec, p, query, key, value, attn_mask, kpm):
+    """PyTorch 2.x nn.MultiheadAttention (batch_first, eval) written out in torch operations, with
+    grouped-query attention: key/value heads repeated (repeat_interleave) so that query head h reads
+    key/value head h // (H / H_kv), as SDPA's enable_gqa. p maps state_dict names to torch tensors;
+    masks are the numpy arrays of the .in file. Returns (output, weights or None).
+
+    It follows torch 1.13's nn.MultiheadAttention.forward and F.multi_head_attention_forward step by
+    step, in their sequence-first layout (the products' rounding depends on it), so that for H_kv = H
+    it agrees with the module to rounding; build_case checks that on every non-GQA case. Steps:
+    project, append bias_k / bias_v, split heads, append the zero key/value, repeat the key/value
+    heads, scores = (q / sqrt(D)) k^T + the merged mask (zero for the extra columns), softmax,
+    weights @ v, merge heads, out_proj; weights summed over heads / H when averaged."""
+    E, H, H_kv, L = spec.E, spec.H, spec.H_kv, spec.L
+    D = E // H
+    W, group = H_kv * D, H // H_kv
+    # torch's self-attention test ("is", not values), which its unbatched path defeats: it
+    # unsqueezes query, key and value one by one
+    same = query is key and key is value and spec.B is not None
+    if spec.B is None:  # unbatched: a batch of one, squeezed at the end
+        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+    else:  # batch_first: torch transposes to [L, B, E]
+        query, key, value = query.transpose(1, 0), key.transpose(1, 0), value.transpose(1, 0)
+    B = query.shape[1]
+    if "in_proj_weight" in p and same:  # torch's packed self-attention path: one product
+        q, k, v = F.linear(query, p["in_proj_weight"], p.get("in_proj_bias")).chunk(3, dim=-1)
+    else:
+        if "in_proj_weight" in p:
+            w_q, w_k, w_v = p["in_proj_weight"].split([E, W, W])
+        else:
+            w_q, w_k, w_v = p["q_proj_weight"], p["k_proj_weight"], p["v_proj_weight"]
+        b_q = b_k = b_v = None
+        if "in_proj_bias" in p:
+            b_q, b_k, b_v = p["in_proj_bias"].split([E, W, W])
+        q = F.linear(query, w_q, b_q)  # [L, B, E]
+        k = F.linear(key, w_k, b_k)    # [S, B, H_kv*D]
+        v = F.linear(value, w_v, b_v)  # [S, B, H_kv*D]
+    if spec.add_bias_kv:
+        k = torch.cat([k, p["bias_k"].repeat(1, B, 1)])  # [S + 1, B, H_kv*D]
+        v = torch.cat([v, p["bias_v"].repeat(1, B, 1)])
+    # split heads: [B*H, L, D] and [B*H_kv, S + add_bias_kv, D], row b*H + h (b*H_kv + j)
+    q = q.contiguous().view(L, B * H, D).transpose(0, 1)
+    k = k.contiguous().view(k.shape[0], B * H_kv, D).transpose(0, 1)
+    v = v.contiguous().view(v.shape[0], B * H_kv, D).transpose(0, 1)
+    if spec.add_zero_attn:
+        zeros = torch.zeros((B * H_kv, 1, D), dtype=q.dtype)
+        k = torch.cat([k, zeros], dim=1)
+        v = torch.cat([v, zeros], dim=1)
+    s_prime = k.shape[1]
+    if group > 1:
+        # grouped-query attention: [B, H_kv, S', D] -> [B, H, S', D], query head h gets key/value
+        # head h // group; then [B*H, S', D] as the query heads. (Skipped for H_kv = H: the copy
+        # would change the memory layout of the gradients, so their summation order, from torch's.)
+        k = k.reshape(B, H_kv, s_prime, D).repeat_interleave(group, dim=1).reshape(B * H, s_prime, D)
+        v = v.reshape(B, H_kv, s_prime, D).repeat_interleave(group, dim=1).reshape(B * H, s_prime, D)
+    q_scaled = q / math.sqrt(D)
+    mask = _additive_mask(spec, attn_mask, kpm, q.dtype)
+    if mask is None:
+        scores = torch.bmm(q_scaled, k.transpose(-2, -1))
+    else:  # the extra columns (bias_k, zero attention) are never masked
+        mask = F.pad(mask, (0, s_prime - spec.S)).reshape(B * H, L, s_prime)
+        scores = torch.baddbmm(mask, q_scaled, k.transpose(-2, -1))
+    weights = torch.softmax(scores, dim=-1)                        # [B*H, L, S']
+    attended = torch.bmm(weights, v)                              # [B*H, L, D]
+    attended = attended.transpose(0, 1).contiguous().view(L * B, E)  # heads merged, [L*B, E]
+    out = F.linear(attended, p["out_proj.weight"], p.get("out_proj.bias")).view(L, B, E)
+    weights = weights.view(B, H, L, s_prime)
+    if spec.average:
+        weights = weights.sum(dim=1) / H
+    if spec.B is None:
+        out, weights = out.squeeze(1), weights.squeeze(0)
+    else:
+        out = out.transpose(1, 0)
+    return out, (weights if spec.need_weights else None)
+
+
+def _leaves(spec, query, key, value):
+    """query, key, value as torch tensors: three separate leaves requiring grad in gradient cases
+    (equal values for self-attention), so that each argument's gradient is reported apart."""
+    if spec.grad:
+        return tuple(torch.from_numpy(x.copy()).requires_grad_() for x in (query, key, value))
+    tq = torch.from_numpy(query)
+    return (tq, tq, tq) if spec.self_attn else (tq, torch.from_numpy(key), torch.from_numpy(value))
+
+
+def _results(spec, fdt, out, weights, grad_output, inputs, named_params):
+    """{output, attn_weights, grad.*} as numpy arrays of dtype fdt, after the backward of
+    (out * grad_output).sum() when spec.grad. named_params: [(state_dict name, leaf tensor)]."""
+    if spec.grad:
+        assert all(t.grad is None for _, t in named_params)
+        (out * torch.from_numpy(grad_output)).sum().backward()
+    result = {"output": out.detach().numpy().astype(fdt)}
+    if spec.need_weights:
+        result["attn_weights"] = weights.detach().numpy().astype(fdt)
+    else:
+        assert weights is None
+    if spec.grad:
+        for n, t in zip(("query", "key", "value"), inputs):
+            result["grad." + n] = t.grad.numpy().astype(fdt)
+        for n, t in sorted(named_params):
+            assert t.grad is not None, (spec.name, n)
+            result["grad." + n] = t.grad.numpy().astype(fdt)
+    return result
+
+
+def _run_torch(spec, mha, params, query, key, value, attn_mask, kpm, grad_output, fdt, tdt):
+    """torch's own nn.MultiheadAttention, with the masks handed over as _torch_masks explains."""
+    tq, tk, tv = _leaves(spec, query, key, value)
+    am, kp = _torch_masks(spec, attn_mask, kpm, tdt)
+    with torch.enable_grad():  # keeps 1.13 off its fast path
+        assert all(p.requires_grad for p in mha.parameters())
+        out, weights = mha(tq, tk, tv, key_padding_mask=kp, need_weights=spec.need_weights,
+                           attn_mask=am, average_attn_weights=spec.average)
+        state = mha.state_dict(keep_vars=True)
+        return _results(spec, fdt, out, weights, grad_output, (tq, tk, tv),
+                        [(n, state[n]) for n in params])
+
+
+def _run_written_out(spec, params, query, key, value, attn_mask, kpm, grad_output, fdt):
+    tq, tk, tv = _leaves(spec, query, key, value)
+    p = {n: torch.from_numpy(x.copy()).requires_grad_() for n, x in params.items()}
+    with torch.enable_grad():
+        out, weights = written_out_mha(spec, p, tq, tk, tv, attn_mask, kpm)
+        return _results(spec, fdt, out, weights, grad_output, (tq, tk, tv), list(p.items()))
+
+
+# How far written_out_mha may be from torch's module, relative to each tensor's scale
+# max(1, max|torch|); and the largest share of it seen in this run, per check and dtype (printed
+# by main). Measured: on every non-GQA fixture and on random cases the two agree bit for bit.
+CROSS_CHECK_TOL = {"f32": 1e-6, "f64": 1e-12}
+cross_check_worst = {}
+
+
+def _cross_check(spec, torch_result, mine, check="non-GQA"):
+    """Asserts that written_out_mha's results (mine) are torch's (every tensor)."""
+    assert set(mine) == set(torch_result), (spec.name, sorted(mine), sorted(torch_result))
+    tol = CROSS_CHECK_TOL[spec.dtype]
+    for n, e in torch_result.items():
+        a = mine[n]
+        assert a.shape == e.shape and a.dtype == e.dtype, (spec.name, n, a.shape, e.shape)
+        scale = max(1.0, float(np.abs(e.astype(np.float64)).max(initial=0.0)))
+        diff = float(np.abs(a.astype(np.float64) - e.astype(np.float64)).max(initial=0.0))
+        share = diff / (tol * scale)
+        if not share <= 1.0:  # NaN fails too
+            raise AssertionError(f"{spec.name}: written-out reference differs from torch's module ({check} "
+                                 f"check) in {n}: max |diff| {diff:.3e} > {tol:g} * {scale:.3g}")
+        key = (check, spec.dtype)
+        if share > cross_check_worst.get(key, (-1.0, ""))[0]:
+            cross_check_worst[key] = (share, f"{spec.name} {n}")
+
+
+def _expansion_check(spec, params, run):
+    """Checks written_out_mha's grouped-query attention against torch's own module with H heads
+    whose key/value projection rows (weights, biases, bias_k / bias_v) are those of the H_kv heads
+    repeated, each key/value head once per query head of its group: the same function. The expanded
+    parameters' gradients, summed over each group, are the GQA parameters' gradients.
+    In float64 whatever the case's dtype (float32 values widened): it checks the formula, and the
+    two float32 evaluations differ by more than 1e-6 (torch's wider products round differently)."""
+    fdt, tdt = np.float64, torch.float64
+    spec = copy.copy(spec)
+    spec.dtype = "f64"
+    params = {n: x.astype(fdt) for n, x in params.items()}
+    run = tuple(x if x is None or x.dtype == np.bool_ else x.astype(fdt) for x in run)
+    mine = _run_written_out(spec, params, *run, fdt)
+    E, H, H_kv = spec.E, spec.H, spec.H_kv
+    D, group = E // H, H // H_kv
+    W = H_kv * D
+
+    def expand(x):  # [H_kv*D, ...] -> [H*D, ...], rows of key/value head j at heads j*group..
+        return np.repeat(x.reshape((H_kv, D) + x.shape[1:]), group, axis=0).reshape((E,) + x.shape[1:])
+
+    def fold(g):  # the gradient of expand: [H*D, ...] -> [H_kv*D, ...], summed over each group
+        return g.reshape((H_kv, group, D) + g.shape[1:]).sum(axis=1).reshape((W,) + g.shape[1:])
+
+    full = copy.copy(spec)
+    full.num_kv_heads, full.H_kv = None, H
+    big = {"out_proj.weight": params["out_proj.weight"]}
+    w_k, w_v = expand(params["k_proj_weight"]), expand(params["v_proj_weight"])
+    if spec.kdim == E and spec.vdim == E:
+        big["in_proj_weight"] = np.concatenate([params["q_proj_weight"], w_k, w_v])
+    else:
+        big.update({"q_proj_weight": params["q_proj_weight"], "k_proj_weight": w_k, "v_proj_weight": w_v})
+    if spec.bias:
+        b_q, b_k, b_v = np.split(params["in_proj_bias"], [E, E + W])
+        big.update({"in_proj_bias": np.concatenate([b_q, expand(b_k), expand(b_v)]),
+                    "out_proj.bias": params["out_proj.bias"]})
+    if spec.add_bias_kv:
+        big.update({n: expand(params[n].reshape(W)).reshape(1, 1, E) for n in ("bias_k", "bias_v")})
+    mha = nn.MultiheadAttention(E, H, dropout=0.0, bias=spec.bias, add_bias_kv=spec.add_bias_kv,
+                                add_zero_attn=spec.add_zero_attn, kdim=spec.kdim, vdim=spec.vdim,
+                                batch_first=True, dtype=tdt)
+    mha.eval()
+    assert {n: tuple(t.shape) for n, t in mha.state_dict().items()} == param_shapes(full), spec.name
+    with torch.no_grad():
+        for name, t in mha.state_dict(keep_vars=True).items():
+            t.copy_(torch.from_numpy(big[name]))
+    result = _run_torch(full, mha, big, *run, fdt, tdt)
+    if spec.grad:
+        g = {n[len("grad."):]: result.pop(n) for n in list(result) if n.startswith("grad.") and
+             n[len("grad."):] in big}
+        if "in_proj_weight" in g:
+            g["q_proj_weight"], g["k_proj_weight"], g["v_proj_weight"] = np.split(g.pop("in_proj_weight"), 3)
+        g["k_proj_weight"], g["v_proj_weight"] = fold(g["k_proj_weight"]), fold(g["v_proj_weight"])
+        if spec.bias:
+            b_q, b_k, b_v = np.split(g["in_proj_bias"], 3)
+            g["in_proj_bias"] = np.concatenate([b_q, fold(b_k), fold(b_v)])
+        if spec.add_bias_kv:
+            for n in ("bias_k", "bias_v"):
+                g[n] = fold(g[n].reshape(E)).reshape(1, 1, W)
+        result.update({"grad." + n: x for n, x in g.items()})
+    _cross_check(spec, result, mine, check="GQA by expansion, in float64")
+
+
+def build_case(spec, cross_check=True):
+    """Returns (in_tensors, in_metadata, expected_tensors, expected_metadata).
+
+    Non-GQA cases are computed by torch's nn.MultiheadAttention and, with cross_check, also by
+    written_out_mha, which must agree (_cross_check); GQA cases (H_kv != H) by written_out_mha."""
     rng = np.random.default_rng(spec.seed)
     fdt = np.float32 if spec.dtype == "f32" else np.float64
     tdt = torch.float32 if spec.dtype == "f32" else torch.float64
     E, H, L, S, kdim, vdim = spec.E, spec.H, spec.L, spec.S, spec.kdim, spec.vdim
     lead = () if spec.B is None else (spec.B,)
 
-    mha = nn.MultiheadAttention(E, H, dropout=0.0, bias=spec.bias, add_bias_kv=spec.add_bias_kv,
-                                add_zero_attn=spec.add_zero_attn, kdim=kdim, vdim=vdim,
-                                batch_first=True, dtype=tdt)
-    mha.eval()
-    params = {}
-    with torch.no_grad():
-        for name, p in sorted(mha.state_dict(keep_vars=True).items()):
-            # every parameter random, biases included (torch initialises them to zero)
-            val = rng.normal(0.0, 0.5, tuple(p.shape)).astype(fdt)
-            p.copy_(torch.from_numpy(val))
-            params[name] = val
-    expected_names = {"out_proj.weight"}
-    expected_names |= {"in_proj_weight"} if (kdim == E and vdim == E) else \
-        {"q_proj_weight", "k_proj_weight", "v_proj_weight"}
-    if spec.bias:
-        expected_names |= {"in_proj_bias", "out_proj.bias"}
-    if spec.add_bias_kv:
-        expected_names |= {"bias_k", "bias_v"}
-    assert set(params) == expected_names, (spec.name, sorted(params))
+    shapes = param_shapes(spec)
+    mha = None
+    if not spec.gqa:
+        mha = nn.MultiheadAttention(E, H, dropout=0.0, bias=spec.bias, add_bias_kv=spec.add_bias_kv,
+                                    add_zero_attn=spec.add_zero_attn, kdim=kdim, vdim=vdim,
+                                    batch_first=True, dtype=tdt)
+        mha.eval()
+        torch_shapes = {n: tuple(p.shape) for n, p in mha.state_dict().items()}
+        assert torch_shapes == shapes, (spec.name, torch_shapes, shapes)
+    # every parameter random, biases included (torch initialises them to zero), in name order
+    params = {name: rng.normal(0.0, 0.5, shapes[name]).astype(fdt) for name in sorted(shapes)}
+    if mha is not None:
+        with torch.no_grad():
+            for name, p in mha.state_dict(keep_vars=True).items():
+                p.copy_(torch.from_numpy(params[name]))
 
     query = rng.normal(0.0, 1.0, lead + (L, E)).astype(fdt)
     if spec.self_attn:
@@ -388,41 +683,22 @@ def build_case(spec):
         grad_rng = np.random.default_rng([spec.seed, _GRAD_STREAM])
         grad_output = grad_rng.normal(0.0, 1.0, lead + (L, E)).astype(fdt)
 
-    # torch computation
-    if spec.grad:
-        # Three separate leaves (equal values for self-attention), so that torch reports the
-        # gradient of each argument, as the library and mha_run do.
-        tq, tk, tv = (torch.from_numpy(x.copy()).requires_grad_() for x in (query, key, value))
+    run = (query, key, value, attn_mask, kpm, grad_output)
+    if spec.gqa:
+        expected = _run_written_out(spec, params, *run, fdt)
+        if cross_check:
+            _expansion_check(spec, params, run)
     else:
-        tq = torch.from_numpy(query)
-        tk = tq if spec.self_attn else torch.from_numpy(key)
-        tv = tq if spec.self_attn else torch.from_numpy(value)
-    am, kp = _torch_masks(spec, attn_mask, kpm, tdt)
-    with torch.enable_grad():  # keeps 1.13 off its fast path
-        assert all(p.requires_grad for p in mha.parameters())
-        out, weights = mha(tq, tk, tv, key_padding_mask=kp, need_weights=spec.need_weights,
-                           attn_mask=am, average_attn_weights=spec.average)
-        if spec.grad:
-            assert all(p.grad is None for p in mha.parameters())
-            (out * torch.from_numpy(grad_output)).sum().backward()
-    out = out.detach().numpy().astype(fdt)
-    assert out.shape == lead + (L, E), (spec.name, out.shape)
-    expected = {"output": out}
+        expected = _run_torch(spec, mha, params, *run, fdt, tdt)
+        if cross_check:
+            _cross_check(spec, expected, _run_written_out(spec, params, *run, fdt))
+
+    assert expected["output"].shape == lead + (L, E), (spec.name, expected["output"].shape)
     s_prime = S + int(spec.add_bias_kv) + int(spec.add_zero_attn)
     if spec.need_weights:
-        weights = weights.detach().numpy().astype(fdt)
         wshape = lead + ((L, s_prime) if spec.average else (H, L, s_prime))
-        assert weights.shape == wshape, (spec.name, weights.shape, wshape)
-        expected["attn_weights"] = weights
-    else:
-        assert weights is None
+        assert expected["attn_weights"].shape == wshape, (spec.name, expected["attn_weights"].shape, wshape)
     if spec.grad:
-        for n, t in (("query", tq), ("key", tk), ("value", tv)):
-            expected["grad." + n] = t.grad.numpy().astype(fdt)
-        state = mha.state_dict(keep_vars=True)
-        for n in sorted(params):
-            assert state[n].grad is not None, (spec.name, n)
-            expected["grad." + n] = state[n].grad.numpy().astype(fdt)
         for n, x in list(params.items()) + [("query", query), ("key", key), ("value", value)]:
             assert expected["grad." + n].shape == x.shape, (spec.name, n)
     for n, t in expected.items():
@@ -709,6 +985,71 @@ def gradient_cases():
     ]
 
 
+def gqa_cases():
+    """Grouped-query attention (num_kv_heads H_kv < H; 1 = multi-query), computed by written_out_mha
+    (torch 1.13's module has no GQA) and checked against torch's module with the key/value heads
+    expanded (_expansion_check); gqa_grad_* also hold gradients. One case has H_kv = H, named in the
+    metadata, which torch's own module computes."""
+    def C(name, description, **kw):
+        return Spec(name, description, **kw)
+
+    def G(name, description, **kw):
+        return Spec(name, description, grad=True, **kw)
+    return [
+        C("gqa_f32_mqa_self", "multi-query (H_kv=1 of H=4), self-attention, averaged weights",
+          dtype="f32", B=2, L=5, E=16, H=4, num_kv_heads=1, self_attn=True),
+        C("gqa_f64_kv2_cross_per_head", "H_kv=2 of H=4, cross-attention L < S, per-head weights",
+          dtype="f64", B=2, L=4, S=6, E=16, H=4, num_kv_heads=2, average=False),
+        C("gqa_f32_kv2_no_bias_bool_masks", "H_kv=2 of H=4, bias=False, bool attn_mask [B*H,L,S] + bool kpm",
+          dtype="f32", B=2, L=4, S=5, E=8, H=4, num_kv_heads=2, bias=False, attn_mask="bool3d", kpm="bool"),
+        C("gqa_f64_mqa_float_masks_causal_no_weights", "H_kv=1 of H=3, float attn_mask [L,S] (-inf) + float "
+          "kpm + causal, need_weights=0",
+          dtype="f64", B=2, L=5, S=5, E=12, H=3, num_kv_heads=1, attn_mask="float2d", attn_inf=True,
+          kpm="float", is_causal=True, need_weights=False),
+        C("gqa_f32_kv2_kdim_vdim_bias_kv_zero_attn_per_head", "H_kv=2 of H=6, kdim=5, vdim=7, add_bias_kv, "
+          "add_zero_attn, per-head weights",
+          dtype="f32", B=2, L=3, S=4, E=12, H=6, num_kv_heads=2, kdim=5, vdim=7, add_bias_kv=True,
+          add_zero_attn=True, average=False),
+        C("gqa_f64_unbatched_mqa_bias_kv_causal", "unbatched, H_kv=1 of H=4, add_bias_kv, bool attn_mask "
+          "[L,S], causal",
+          dtype="f64", B=None, L=4, S=6, E=8, H=4, num_kv_heads=1, add_bias_kv=True, attn_mask="bool2d",
+          is_causal=True),
+        C("gqa_f32_kv2_H8_float3d_reference", "H_kv=2 of H=8, float attn_mask [B*H,L,S] (-inf), "
+          "need_weights=0, kernel=reference",
+          dtype="f32", B=2, L=4, S=6, E=16, H=8, num_kv_heads=2, attn_mask="float3d", attn_inf=True,
+          need_weights=False, kernel="reference"),
+        C("gqa_f64_kv_equals_heads", "num_kv_heads=2 = num_heads in the metadata: plain MHA (torch's module)",
+          dtype="f64", B=2, L=4, S=5, E=8, H=2, num_kv_heads=2),
+        G("gqa_grad_f32_mqa_cross_kpm_float", "H_kv=1 of H=4, cross-attention, float kpm (-inf), weights",
+          dtype="f32", B=2, L=4, S=6, E=8, H=4, num_kv_heads=1, kpm="float", kpm_inf=True),
+        G("gqa_grad_f64_kv2_self_causal_flash", "H_kv=2 of H=4, self-attention (equal values), causal, "
+          "need_weights=0",
+          dtype="f64", B=2, L=6, E=16, H=4, num_kv_heads=2, self_attn=True, is_causal=True,
+          need_weights=False),
+        G("gqa_grad_f32_kv2_kdim_vdim_bias_kv_zero_attn_flash", "H_kv=2 of H=6, kdim=7, vdim=4, bias_kv, "
+          "zero_attn, float attn_mask [B*H,L,S] (-inf), causal, need_weights=0",
+          dtype="f32", B=2, L=5, S=6, E=12, H=6, num_kv_heads=2, kdim=7, vdim=4, add_bias_kv=True,
+          add_zero_attn=True, attn_mask="float3d", attn_inf=True, is_causal=True, need_weights=False),
+        G("gqa_grad_f64_unbatched_mqa_no_bias_masks_per_head", "unbatched, H_kv=1 of H=3, bias=False, "
+          "bool attn_mask [H,L,S] + bool kpm [S], per-head weights",
+          dtype="f64", B=None, L=4, S=5, E=12, H=3, num_kv_heads=1, bias=False, attn_mask="bool3d", kpm="bool",
+          average=False),
+        G("gqa_grad_f32_kv2_no_bias_zero_attn_reference", "H_kv=2 of H=4, bias=False, add_zero_attn, bool "
+          "attn_mask [L,S], need_weights=0, kernel=reference",
+          dtype="f32", B=2, L=5, S=3, E=8, H=4, num_kv_heads=2, bias=False, add_zero_attn=True,
+          attn_mask="bool2d", need_weights=False, kernel="reference"),
+        G("gqa_grad_f64_kv3_bias_kv_float_mask_per_head", "H_kv=3 of H=6, add_bias_kv, float attn_mask "
+          "[L,S] + float kpm, per-head weights",
+          dtype="f64", B=2, L=3, S=5, E=12, H=6, num_kv_heads=3, add_bias_kv=True, attn_mask="float2d",
+          kpm="float", average=False),
+        # more queries and keys than one flash block (64 queries x 256 keys)
+        G("gqa_grad_f32_tiles_kv2_causal_kpm_bool_flash", "L=70, S=260 (several flash blocks), H_kv=2 of "
+          "H=4, causal, bool kpm, need_weights=0",
+          dtype="f32", B=1, L=70, S=260, E=8, H=4, num_kv_heads=2, is_causal=True, kpm="bool",
+          need_weights=False),
+    ]
+
+
 # ----------------------------------------------------------------------------------------------
 # random configurations (out-of-sample checks)
 
@@ -742,8 +1083,30 @@ def random_spec(rng, index):
     return spec
 
 
-def random_specs(count, seed):
+def gqa_variant(spec, rng):
+    """spec as grouped-query attention: H from {2, 3, 4, 6, 8}, H_kv a proper divisor of it, the same
+    head width D (so E = H*D), kdim / vdim kept unless they were E; num_kv_heads in the metadata
+    unless it is minimal. Everything else, the seed included, stays."""
+    D = spec.E // spec.H
+    H = int(rng.choice([2, 3, 4, 6, 8]))
+    H_kv = int(rng.choice([d for d in range(1, H) if H % d == 0]))
+    g = copy.copy(spec)
+    g.kdim = H * D if spec.kdim == spec.E else spec.kdim
+    g.vdim = H * D if spec.vdim == spec.E else spec.vdim
+    g.E, g.H, g.H_kv, g.num_kv_heads = H * D, H, H_kv, H_kv
+    g.description = "random configuration: " + g.summary()
+    return g
+
+
+# Second seed word of the stream that decides which random configurations become grouped-query
+# attention (ASCII "gqa "), apart from the configurations' own: with --gqa-share 0 a seed gives
+# the configurations it gave before GQA existed, and with any share the others stay the same.
+_GQA_STREAM = 0x67716120
+
+
+def random_specs(count, seed, gqa_share=0.0):
     rng = np.random.default_rng(seed)
+    gqa_rng = np.random.default_rng([seed, _GQA_STREAM])
     specs = []
     for i in range(count):
         while True:
@@ -752,8 +1115,15 @@ def random_specs(count, seed):
                 _draw_masks(s, np.random.default_rng(s.seed), np.float64)
             except RuntimeError:
                 continue  # masks impossible without a fully masked row: draw another configuration
-            specs.append(s)
             break
+        if gqa_rng.random() < gqa_share:
+            g = gqa_variant(s, gqa_rng)
+            try:
+                _draw_masks(g, np.random.default_rng(g.seed), np.float64)
+                s = g
+            except RuntimeError:
+                pass  # keep the non-GQA configuration
+        specs.append(s)
     return specs
 
 
@@ -765,10 +1135,12 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(here, "data"), help="output directory (default: %(default)s)")
     ap.add_argument("--random", type=int, metavar="N", help="write N random configurations instead")
     ap.add_argument("--seed", type=int, default=0, help="seed for --random (default: %(default)s)")
+    ap.add_argument("--gqa-share", type=float, default=0.3, metavar="P",
+                    help="share of the --random cases made grouped-query attention (default: %(default)s)")
     args = ap.parse_args(argv)
 
-    specs = random_specs(args.random, args.seed) if args.random is not None else \
-        fixed_cases() + gradient_cases()
+    specs = random_specs(args.random, args.seed, args.gqa_share) if args.random is not None else \
+        fixed_cases() + gradient_cases() + gqa_cases()
     names = [s.name for s in specs]
     assert len(names) == len(set(names)), "duplicate case names"
     os.makedirs(args.out, exist_ok=True)
@@ -779,7 +1151,15 @@ def main(argv=None):
         total += size
         print(f"{s.name:45s} {size:6d} B  {s.summary()}")
     print(f"{len(specs)} cases, {2 * len(specs)} files, {total} bytes in {args.out} (torch {torch.__version__})")
+    print_cross_check()
     return 0
+
+
+def print_cross_check():
+    """The largest differences between written_out_mha and torch's module seen in this run."""
+    for (check, dt), (share, where) in sorted(cross_check_worst.items()):
+        print(f"written-out reference vs torch's module ({check}, {dt}): largest difference "
+              f"{share:.3g} of the bound {CROSS_CHECK_TOL[dt]:g} x scale ({where})")
 
 
 if __name__ == "__main__":
