@@ -139,6 +139,10 @@ void random_masks(const Trial& trial, Index heads, mha::Random& random,
     description += " alibi";
   }
   if (random.uniform() < 0.3) {
+    options.softcap = T(0.5) + static_cast<T>(random.uniform()) * T(2);
+    description += " softcap " + std::to_string(options.softcap);
+  }
+  if (random.uniform() < 0.3) {
     options.window.left = static_cast<Index>(random.uniform() * 4) - 1;
     options.window.right = static_cast<Index>(random.uniform() * 4) - 1;
     options.window.alignment = options.causal_alignment;

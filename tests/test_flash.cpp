@@ -76,6 +76,8 @@ void check_case(const Case& c, std::uint64_t seed,
   core.window = c.window;
   // Dropout in a third of the cases: both kernels regenerate the same mask from the seed.
   if (random.uniform() < 1.0 / 3) core.dropout = {0.3, seed, c.heads, c.query_len, total_keys};
+  // Soft-capping in a quarter: the backward then needs the capped scores of each tile.
+  if (random.uniform() < 0.25) core.softcap = T(1.5);
 
   Tensor<T> reference({c.batch, c.heads, c.query_len, c.value_dim});
   Tensor<T> flash({c.batch, c.heads, c.query_len, c.value_dim}, T(99));  // every row is written
@@ -379,4 +381,48 @@ TEMPLATE_TEST_CASE("ALiBi equals the additive bias it describes", "[flash][alibi
   wrong.alibi_slopes = {T(1), T(2)};
   CHECK_THROWS_WITH(mha::scaled_dot_product_attention(q, k, v, wrong),
                     "alibi_slopes: expected one slope per query head, [3], got [2]");
+}
+
+TEMPLATE_TEST_CASE("softcap equals c tanh(s / c) written out", "[flash][softcap]", float, double) {
+  using T = TestType;
+  const Index H = 2, L = 70, S = 150, D = 4;
+  const auto q = mha_test::random_tensor<T>({H, L, D}, 1, 3.0);  // large scores, so caps bite
+  const auto k = mha_test::random_tensor<T>({H, S, D}, 2, 3.0);
+  const auto v = mha_test::random_tensor<T>({H, S, D}, 3);
+  const auto mask = mha_test::random_tensor<T>({L, S}, 5);
+  const T cap = T(2.5), scale = T(0.5);
+  // softmax(c tanh(scale q kᵀ / c) + mask) v, head by head, in plain loops
+  Tensor<T> expected({H, L, D});
+  for (Index h = 0; h < H; ++h) {
+    for (Index i = 0; i < L; ++i) {
+      std::vector<double> scores(static_cast<std::size_t>(S));
+      double max_score = -1e300, sum = 0;
+      for (Index j = 0; j < S; ++j) {
+        double dot = 0;
+        for (Index d = 0; d < D; ++d) dot += double(q(h, i, d)) * double(k(h, j, d));
+        const double capped = double(cap) * std::tanh(double(scale) * dot / double(cap));
+        scores[static_cast<std::size_t>(j)] = capped + double(mask(i, j));
+        max_score = std::max(max_score, scores[static_cast<std::size_t>(j)]);
+      }
+      for (double& score : scores) sum += (score = std::exp(score - max_score));
+      for (Index d = 0; d < D; ++d) {
+        double out = 0;
+        for (Index j = 0; j < S; ++j)
+          out += scores[static_cast<std::size_t>(j)] * double(v(h, j, d));
+        expected(h, i, d) = static_cast<T>(out / sum);
+      }
+    }
+  }
+  for (const auto kernel : {mha::Kernel::reference, mha::Kernel::flash}) {
+    mha::AttentionOptions<T> options;
+    options.mask = Mask<T>::additive(mask);
+    options.scale = scale;
+    options.softcap = cap;
+    options.kernel = kernel;
+    INFO(mha::kernel_name(kernel));
+    CHECK_TENSORS_CLOSE(mha::scaled_dot_product_attention(q, k, v, options).output, expected);
+  }
+  mha::AttentionOptions<T> negative;
+  negative.softcap = T(-1);
+  CHECK_THROWS_AS(mha::scaled_dot_product_attention(q, k, v, negative), mha::ShapeError);
 }

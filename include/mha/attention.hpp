@@ -86,6 +86,14 @@ inline void check_dropout(double p) {
   }
 }
 
+template <class T>
+T checked_softcap(T softcap) {
+  if (!(softcap >= T(0) && std::isfinite(softcap))) {
+    throw_argument("softcap", "must be finite and >= 0 (0 = none), got " + std::to_string(softcap));
+  }
+  return softcap;
+}
+
 // ALiBi slopes are either absent or one finite slope per query head.
 template <class T>
 const T* checked_alibi_slopes(const std::vector<T>& slopes, Index heads) {
@@ -139,6 +147,9 @@ struct AttentionOptions {
   // -slope_h * |c - j| to the scaled scores, c = i or i + S - L (alibi_alignment).
   std::vector<T> alibi_slopes;
   Alignment alibi_alignment = Alignment::top_left;
+  // Logit soft-capping, as Gemma 2 and FlashAttention's softcap: scores become
+  // c tanh(scale q kᵀ / c) before masks and biases; 0 = none.
+  T softcap = T(0);
   // Multiplies q kᵀ; 1/sqrt(D) when not given.
   std::optional<T> scale;
   bool need_weights = false;
@@ -248,6 +259,7 @@ AttentionProblem<T> attention_problem(const TensorView<const T>& query,
   core.window = options.window;
   core.alibi_slopes = checked_alibi_slopes(options.alibi_slopes, problem.heads);
   core.alibi_alignment = options.alibi_alignment;
+  core.softcap = checked_softcap(options.softcap);
   core.dropout = {options.dropout, options.dropout_seed, problem.heads, problem.query_len,
                   problem.key_len};
   return problem;

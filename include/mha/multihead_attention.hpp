@@ -111,6 +111,9 @@ struct ForwardOptions {
   // adds -slope_h * |c - j| to head h's scores of the input keys, c = i or i + S - L
   // (causal_alignment). bias_k and the zero key get no position bias.
   std::vector<T> alibi_slopes;
+  // Logit soft-capping (Gemma 2): each head's scores become c tanh(q kᵀ / sqrt(D) / c) before
+  // masks and biases; 0 = none.
+  T softcap = T(0);
   // Which kernel computes the heads; automatic picks flash unless weights are requested.
   Kernel kernel = Kernel::automatic;
 };
@@ -622,6 +625,7 @@ class MultiHeadAttention {
     core.window = options.window;
     core.alibi_slopes = detail::checked_alibi_slopes(options.alibi_slopes, config_.num_heads);
     core.alibi_alignment = options.causal_alignment;
+    core.softcap = detail::checked_softcap(options.softcap);
     return core;
   }
 

@@ -116,7 +116,32 @@ struct CoreOptions {
   const T* alibi_slopes = nullptr;
   Alignment alibi_alignment = Alignment::top_left;
   T scale = T(1);
+  // Logit soft-capping (Gemma 2, FlashAttention's softcap): scale q kᵀ becomes
+  // c tanh(scale q kᵀ / c) before masks and biases are added; 0 = none.
+  T softcap = T(0);
   Dropout<T> dropout;
+
+  // tile += the scaled (and capped) scores of q [rows, D] against k [cols, D]. With softcap, the
+  // capped scores are left in `capped` (resized by the caller to the tile's shape), which the
+  // backward pass needs for the derivative.
+  template <class Tile, class Q, class K, class Capped>
+  void add_scores(Tile& tile, const Q& q, const K& k, Capped& capped) const {
+    if (softcap > T(0)) {
+      capped.noalias() = scale * (q * k.transpose());
+      capped = (softcap * (capped.array() / softcap).tanh()).matrix();
+      tile += capped;
+    } else {
+      tile.noalias() += scale * (q * k.transpose());
+    }
+  }
+  // grad_scores, the gradient of the capped scores, becomes that of the uncapped ones:
+  // d/ds c tanh(s / c) = 1 - tanh²(s / c) = 1 - (capped / c)².
+  template <class Grad, class Capped>
+  void softcap_backward(Grad& grad_scores, const Capped& capped) const {
+    if (softcap > T(0)) {
+      grad_scores.array() *= T(1) - (capped.array() / softcap).square();
+    }
+  }
 
   // True when some tiles need masks() (anything besides the scaled scores).
   bool any_mask() const {
@@ -225,6 +250,7 @@ struct KernelScratch {
   RowVector<T> exps;
   Matrix<T> grad_scores;
   Vector<T> row_dot;
+  Matrix<T> capped;  // softcap's capped scores, as add_scores leaves them
 };
 
 // One KernelScratch per thread that the next parallel region can have.

@@ -73,6 +73,7 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
     // This thread's buffers: resized only when the shapes change, never inside the task loop.
     KernelScratch<T>& mine = scratch[static_cast<std::size_t>(thread_index())];
     mine.scores.resize(blocks.query, blocks.key);
+    if (options.softcap > T(0)) mine.capped.resize(blocks.query, blocks.key);
     mine.acc.resize(blocks.query, value_dim);
     mine.row_max.resize(blocks.query);
     mine.row_sum.resize(blocks.query);
@@ -109,8 +110,8 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
         } else {
           s.setZero();
         }
-        s.noalias() +=
-            options.scale * (q_bh.middleRows(i0, rows) * k_bh.middleRows(j0, cols).transpose());
+        auto capped = mine.capped.topLeftCorner(rows, cols);
+        options.add_scores(s, q_bh.middleRows(i0, rows), k_bh.middleRows(j0, cols), capped);
         // pass 2: online softmax, one row at a time
         for (Index r = 0; r < rows; ++r) {
           auto score_row = s.row(r);
@@ -190,6 +191,7 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
     KernelScratch<T>& mine = scratch[static_cast<std::size_t>(thread_index())];
     mine.scores.resize(blocks.query, blocks.key);
     mine.grad_scores.resize(blocks.query, blocks.key);
+    if (options.softcap > T(0)) mine.capped.resize(blocks.query, blocks.key);
     mine.acc.resize(blocks.query, blocks.key);  // the dropped-out tile Pd
     mine.exps.resize(blocks.key);
     mine.row_dot.resize(query_len);
@@ -231,7 +233,8 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
             }
             const auto q_blk = q_bh.middleRows(i0, rows);
             const auto grad_out_blk = grad_out_bh.middleRows(i0, rows);
-            probs.noalias() += options.scale * (q_blk * k_blk.transpose());
+            auto capped = mine.capped.topLeftCorner(rows, cols);
+            options.add_scores(probs, q_blk, k_blk, capped);
             // P = exp(S - lse), exactly 0 where blocked and in rows that saw no key
             for (Index r = 0; r < rows; ++r) {
               auto row = probs.row(r);
@@ -256,6 +259,7 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
             }
             grad_scores.array() = probs.array() * (grad_scores.array().colwise() -
                                                    mine.row_dot.segment(i0, rows).array());
+            options.softcap_backward(grad_scores, capped);
             grad_q_bh.middleRows(i0, rows).noalias() += options.scale * (grad_scores * k_blk);
             grad_k_blk.noalias() += options.scale * (grad_scores.transpose() * q_blk);
           }

@@ -29,6 +29,7 @@ void attention_reference(Index batch, Index heads, const HeadLayout<const T>& q,
     // This thread's buffers: resized only when the shapes change.
     KernelScratch<T>& mine = scratch[static_cast<std::size_t>(thread_index())];
     mine.scores.resize(query_len, key_len);
+    if (options.softcap > T(0)) mine.capped.resize(query_len, key_len);
     mine.exps.resize(key_len);
     Matrix<T>& scores = mine.scores;
     MHA_OMP_PRAGMA(omp for schedule(static))
@@ -37,7 +38,7 @@ void attention_reference(Index batch, Index heads, const HeadLayout<const T>& q,
       // pass 1: masks and position biases, plus the scaled scores (scale folded into the GEMM's
       // alpha)
       options.masks(b, h, query_len, 0, 0, scores);
-      scores.noalias() += options.scale * (q.at(b, h) * k.at(b, h).transpose());
+      options.add_scores(scores, q.at(b, h), k.at(b, h), mine.capped);
       // pass 2: probabilities (dropped out in training), then their weighted sum of values
       softmax_rows_inplace(scores, mine.exps);
       if (options.dropout.active()) options.dropout.apply(b, h, 0, 0, scores);
@@ -78,6 +79,7 @@ void attention_reference_backward(Index batch, Index heads, const HeadLayout<con
     KernelScratch<T>& mine = scratch[static_cast<std::size_t>(thread_index())];
     mine.scores.resize(query_len, key_len);
     mine.grad_scores.resize(query_len, key_len);
+    if (options.softcap > T(0)) mine.capped.resize(query_len, key_len);
     mine.exps.resize(key_len);
     mine.row_dot.resize(query_len);
     Matrix<T>& probs = mine.scores;
@@ -96,7 +98,7 @@ void attention_reference_backward(Index batch, Index heads, const HeadLayout<con
         const bool add = h > first_head;
         // P, recomputed as the forward pass computed it
         options.masks(b, h, query_len, 0, 0, probs);
-        probs.noalias() += options.scale * (q_bh * k_bh.transpose());
+        options.add_scores(probs, q_bh, k_bh, mine.capped);
         softmax_rows_inplace(probs, mine.exps);
         // grad_v from the dropped-out weights Pd = P ∘ Z, built in the dS buffer; then dP = dPd ∘ Z
         const Matrix<T>* dropped = &probs;
@@ -116,6 +118,7 @@ void attention_reference_backward(Index batch, Index heads, const HeadLayout<con
         mine.row_dot = (probs.array() * grad_scores.array()).rowwise().sum().matrix();
         grad_scores.array() =
             probs.array() * (grad_scores.array().colwise() - mine.row_dot.array());
+        options.softcap_backward(grad_scores, mine.capped);
         grad_q.at(b, h).noalias() = options.scale * (grad_scores * k_bh);
         if (add) {
           grad_k_bh.noalias() += options.scale * (grad_scores.transpose() * q_bh);
