@@ -63,8 +63,9 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
   const bool any_mask = options.any_mask();
   const Index query_blocks = (query_len + blocks.query - 1) / blocks.query;
   const Index tasks = batch * heads * query_blocks;
-  const double work = static_cast<double>(batch * heads) * static_cast<double>(query_len) *
-                      static_cast<double>(key_len) * static_cast<double>(q.cols + value_dim);
+  [[maybe_unused]] const double work =
+      static_cast<double>(batch * heads) * static_cast<double>(query_len) *
+      static_cast<double>(key_len) * static_cast<double>(q.cols + value_dim);
 
   // Threads split (batch, head, query block) tasks; each task is computed whole by one thread
   // with the same arithmetic, so results do not depend on the number of threads.
@@ -184,8 +185,9 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
   const Index masked_keys = options.causal_cols;
   const bool any_mask = options.any_mask();
   const Index group = k.group, tasks = batch * (heads / group);
-  const double work = 2.0 * static_cast<double>(batch * heads) * static_cast<double>(query_len) *
-                      static_cast<double>(key_len) * static_cast<double>(q.cols + v.cols);
+  [[maybe_unused]] const double work =
+      2.0 * static_cast<double>(batch * heads) * static_cast<double>(query_len) *
+      static_cast<double>(key_len) * static_cast<double>(q.cols + v.cols);
   scratch_for_threads(scratch);
   MHA_OMP_PRAGMA(omp parallel if (worth_threads(tasks, work))) {
     KernelScratch<T>& mine = scratch[static_cast<std::size_t>(thread_index())];

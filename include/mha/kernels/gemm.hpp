@@ -42,8 +42,9 @@ void threaded_product(Dst&& dst, const Lhs& lhs, const Rhs& rhs, Accumulate accu
   // With more than one thread available, always inside a parallel region, even for one slab:
   // outside one, Eigen would thread a large product itself. With one thread, or below
   // kMinParallelWork (where Eigen does not thread either), no region.
-  const double work = static_cast<double>(dst.rows()) * static_cast<double>(dst.cols()) *
-                      static_cast<double>(lhs.cols());
+  [[maybe_unused]] const double work = static_cast<double>(dst.rows()) *
+                                       static_cast<double>(dst.cols()) *
+                                       static_cast<double>(lhs.cols());
   MHA_OMP_PRAGMA(
       omp parallel for schedule(static) if (max_threads() > 1 && work >= kMinParallelWork))
   for (Index slab = 0; slab < slabs; ++slab) {

@@ -20,8 +20,9 @@ void attention_reference(Index batch, Index heads, const HeadLayout<const T>& q,
                          std::vector<KernelScratch<T>>& scratch) {
   const Index query_len = q.rows, key_len = k.rows;
   const Index tasks = batch * heads;
-  const double work = static_cast<double>(tasks) * static_cast<double>(query_len) *
-                      static_cast<double>(key_len) * static_cast<double>(q.cols + v.cols);
+  [[maybe_unused]] const double work = static_cast<double>(tasks) * static_cast<double>(query_len) *
+                                       static_cast<double>(key_len) *
+                                       static_cast<double>(q.cols + v.cols);
   // One (batch, head) per task, computed whole by one thread: results do not depend on the
   // number of threads.
   scratch_for_threads(scratch);
@@ -72,8 +73,9 @@ void attention_reference_backward(Index batch, Index heads, const HeadLayout<con
   const Index query_len = q.rows, key_len = k.rows;
   const Index group = k.group;
   const Index tasks = batch * (heads / group);
-  const double work = 2.0 * static_cast<double>(batch * heads) * static_cast<double>(query_len) *
-                      static_cast<double>(key_len) * static_cast<double>(q.cols + v.cols);
+  [[maybe_unused]] const double work =
+      2.0 * static_cast<double>(batch * heads) * static_cast<double>(query_len) *
+      static_cast<double>(key_len) * static_cast<double>(q.cols + v.cols);
   scratch_for_threads(scratch);
   MHA_OMP_PRAGMA(omp parallel if (worth_threads(tasks, work))) {
     KernelScratch<T>& mine = scratch[static_cast<std::size_t>(thread_index())];
