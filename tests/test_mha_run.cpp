@@ -8,9 +8,12 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "helpers.hpp"
 #include "mha/io/safetensors.hpp"
@@ -72,8 +75,10 @@ void check_refused(const std::string& arguments, const std::string& expected_fra
 
 TEST_CASE("mha_run reproduces PyTorch on a fixture, end to end", "[mha_run]") {
   const fs::path out = scratch_dir() / "out.safetensors";
-  for (const std::string name : {"f32_everything", "f64_unbatched_masks",
-                                 "gqa_f32_kv2_kdim_vdim_bias_kv_zero_attn_per_head"}) {
+  for (const std::string name :
+       {"f32_everything", "f64_unbatched_masks", "gqa_f32_kv2_kdim_vdim_bias_kv_zero_attn_per_head",
+        "window_f64_top_left_L_gt_S_bias_kv_zero_attn",
+        "alibi_f64_slopes_cross_bottom_right_per_head", "softcap_f32_unbatched_alibi_window"}) {
     INFO(name);
     const Run run = run_tool("'" + fixture(name + ".in.safetensors") + "' '" + out.string() + "'");
     REQUIRE(run.exit_code == 0);
@@ -121,7 +126,8 @@ TEST_CASE("mha_run with grad_output writes PyTorch autograd's gradients, end to 
   const fs::path out = scratch_dir() / "out.safetensors";
   for (const std::string name :
        {"grad_f32_everything_flash", "grad_f64_everything_no_bias", "grad_f32_self_basic",
-        "gqa_grad_f64_kv3_bias_kv_float_mask_per_head"}) {
+        "gqa_grad_f64_kv3_bias_kv_float_mask_per_head", "softcap_grad_f32_everything_per_head",
+        "window_grad_f64_bottom_right_L_gt_S_zero_attn"}) {
     INFO(name);
     const Run run = run_tool("'" + fixture(name + ".in.safetensors") + "' '" + out.string() + "'");
     REQUIRE(run.exit_code == 0);
@@ -169,10 +175,31 @@ TEST_CASE("mha_run refuses a grad_output that is not the shape or dtype of outpu
 TEST_CASE("mha_run --help documents the contract", "[mha_run]") {
   const Run run = run_tool("--help");
   CHECK(run.exit_code == 0);
-  for (const char* word :
-       {"num_heads", "key_padding_mask", "attn_mask", "need_weights", "average_attn_weights",
-        "is_causal", "add_zero_attn", "attn_weights", "grad_output", "grad.query", "grad.key",
-        "grad.value", "grad.<name>", "num_kv_heads", "[H_kv*D, kdim]", "[E + 2*H_kv*D]"}) {
+  for (const char* word : {"num_heads",
+                           "key_padding_mask",
+                           "attn_mask",
+                           "need_weights",
+                           "average_attn_weights",
+                           "is_causal",
+                           "add_zero_attn",
+                           "attn_weights",
+                           "grad_output",
+                           "grad.query",
+                           "grad.key",
+                           "grad.value",
+                           "grad.<name>",
+                           "num_kv_heads",
+                           "[H_kv*D, kdim]",
+                           "[E + 2*H_kv*D]",
+                           "causal_alignment",
+                           "top_left",
+                           "bottom_right",
+                           "window_left",
+                           "window_right",
+                           "alibi",
+                           "alibi_slopes",
+                           "softcap",
+                           "i + S - L"}) {
     CHECK(run.out.find(word) != std::string::npos);
   }
 }
@@ -211,6 +238,80 @@ TEST_CASE("mha_run checks metadata num_kv_heads against k_proj_weight", "[mha_ru
                 "got 1");
   packed.metadata["num_kv_heads"] = "2";
   CHECK(run_tool(run_with(packed)).exit_code == 0);
+}
+
+TEST_CASE("mha_run refuses bad window, alignment, ALiBi and softcap metadata",
+          "[mha_run][errors]") {
+  const fs::path dir = scratch_dir();
+  const std::string out = "'" + (dir / "out.safetensors").string() + "'";
+  const auto run_with = [&](const mha::io::SafetensorsFile& file) {
+    mha::io::write_safetensors((dir / "modern.safetensors").string(), file);
+    return "'" + (dir / "modern.safetensors").string() + "' " + out;
+  };
+  // H = 2, float32 (so softcap 1e300 is out of range), no ALiBi: the options below are the only
+  // change.
+  const auto original = mha::io::read_safetensors(fixture("softcap_f32_basic.in.safetensors"));
+  REQUIRE(original.metadata.at("num_heads") == "2");
+  REQUIRE(run_tool(run_with(original)).exit_code == 0);
+  const auto refused_with = [&](const std::string& key, const std::string& value,
+                                const std::string& fragment) {
+    auto file = original;
+    file.metadata[key] = value;
+    INFO(key << " = \"" << value << "\"");
+    check_refused(run_with(file), fragment);
+  };
+  refused_with("causal_alignment", "bottom-right",
+               "metadata 'causal_alignment': expected \"top_left\" or \"bottom_right\", got "
+               "\"bottom-right\"");
+  refused_with("causal_alignment", "", "metadata 'causal_alignment'");
+  for (const std::string key : {"window_left", "window_right"}) {
+    for (const std::string value : {"-2", "1.5", "x", "", "+3", " 2", "1234567890"}) {
+      refused_with(key, value,
+                   "metadata '" + key + "': expected an integer >= -1 (-1 = unbounded), got \"" +
+                       value + "\"");
+    }
+  }
+  refused_with("alibi", "2", "metadata 'alibi': expected \"0\" or \"1\", got \"2\"");
+  for (const std::string value :
+       {"-1", "nan", "inf", "1e999", "1e300", "abc", "", "0x10", " 1", "1.5.2"}) {
+    refused_with(
+        "softcap", value,
+        "metadata 'softcap': expected a finite number >= 0 (0 = none), got \"" + value + "\"");
+  }
+  // Accepted spellings.
+  for (const auto& [key, value] :
+       std::vector<std::pair<std::string, std::string>>{{"causal_alignment", "bottom_right"},
+                                                        {"window_left", "0"},
+                                                        {"window_right", "-1"},
+                                                        {"softcap", "0"},
+                                                        {"softcap", "2.5e1"},
+                                                        {"alibi", "1"}}) {
+    auto file = original;
+    file.metadata[key] = value;
+    INFO(key << " = \"" << value << "\"");
+    CHECK(run_tool(run_with(file)).exit_code == 0);
+  }
+
+  // An alibi_slopes tensor: one slope per head, query's dtype, and no alibi key beside it.
+  auto file = original;
+  file.tensors["alibi_slopes"] = mha::io::from_tensor(mha::Tensor<float>({2}, {0.5f, 0.25f}));
+  CHECK(run_tool(run_with(file)).exit_code == 0);
+  file.metadata["alibi"] = "1";
+  check_refused(run_with(file),
+                "metadata 'alibi': expected absent with an alibi_slopes tensor (which gives the "
+                "slopes), got \"1\"");
+  file.metadata["alibi"] = "0";
+  check_refused(run_with(file), "metadata 'alibi': expected absent with an alibi_slopes tensor");
+  file.metadata.erase("alibi");
+  file.tensors["alibi_slopes"] = mha::io::from_tensor(mha::Tensor<float>({3}));
+  check_refused(run_with(file), "alibi_slopes: expected [2] (one per head), got [3]");
+  file.tensors["alibi_slopes"] = mha::io::from_tensor(mha::Tensor<float>({1, 2}));
+  check_refused(run_with(file), "alibi_slopes: expected [2] (one per head), got [1, 2]");
+  file.tensors["alibi_slopes"] = mha::io::from_tensor(mha::Tensor<double>({2}));
+  check_refused(run_with(file), "alibi_slopes: expected dtype F32 (that of query), got F64");
+  file.tensors["alibi_slopes"] =
+      mha::io::from_tensor(mha::Tensor<float>({2}, {0.5f, std::numeric_limits<float>::infinity()}));
+  check_refused(run_with(file), "alibi_slopes");
 }
 
 TEST_CASE("mha_run refuses bad input with exit code 1 and one line", "[mha_run][errors]") {

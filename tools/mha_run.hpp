@@ -4,6 +4,9 @@
 // Kept apart from main() so the tests run the same code in-process on every fixture.
 #pragma once
 
+#include <cmath>
+#include <cstdlib>
+#include <limits>
 #include <set>
 #include <string>
 #include <type_traits>
@@ -40,6 +43,25 @@ IN holds:
     top-left causal mask, key j > query i blocked, is applied on top of any attn_mask);
     kernel: auto (default: flash without weights, reference with), reference or flash
     (flash cannot return weights, so it needs need_weights "0").
+  Modern attention options in __metadata__, each optional; c below is the position key j is
+  compared with: c = i (query i) with causal_alignment top_left, c = i + S - L with bottom_right.
+  They apply to the S input keys only: the bias_k and zero-attention columns are never blocked by
+  is_causal or the window and get no ALiBi bias.
+    causal_alignment: top_left (default; is_causal blocks key j > i, as PyTorch SDPA) or
+      bottom_right (blocks j > i + S - L, as FlashAttention >= 2.1 and a KV-cache step). It also
+      aligns the window and ALiBi.
+    window_left, window_right: integers >= -1 (default -1 = unbounded on that side): local
+      attention with FlashAttention's inclusive convention, query i sees key j only where
+      c - window_left <= j <= c + window_right (window_left w - 1 with window_right 0 is a causal
+      sliding window of w keys). Combines with is_causal and the masks: a key is visible only
+      where all of them allow it.
+    alibi: "0" (default) or "1": ALiBi with the paper's slopes for H heads (2^(-8 (h + 1) / H)
+      for H a power of two, else BLOOM's rule), adding -slope_h * |c - j| to head h's scores.
+    alibi_slopes [H] (tensor, query's dtype), optional: ALiBi with these slopes instead. With it
+      the alibi key must be absent: "1" (the paper's slopes) or "0" (none) would contradict it.
+    softcap: a finite number >= 0 (default 0 = none), e.g. "50": logit soft-capping (Gemma 2),
+      each scaled score s = q k / sqrt(D) becomes softcap * tanh(s / softcap) before the masks,
+      is_causal, the window and ALiBi apply, on every column including bias_k and zero attention.
 The dtype of query decides the arithmetic: F32 computes in float, F64 in double. key, value and
 float masks and grad_output must have that dtype too; parameters may be F32, F64, F16 or BF16
 (converted).
@@ -60,7 +82,7 @@ namespace detail {
 
 inline const std::set<std::string>& input_names() {
   static const std::set<std::string> names = {
-      "query", "key", "value", "key_padding_mask", "attn_mask", "grad_output"};
+      "query", "key", "value", "key_padding_mask", "attn_mask", "grad_output", "alibi_slopes"};
   return names;
 }
 
@@ -97,6 +119,51 @@ inline Index positive_integer(const io::SafetensorsFile& file, const std::string
     throw ShapeError("metadata '" + key + "': expected a positive integer, got \"" + text + "\"");
   }
   return static_cast<Index>(value);
+}
+
+// causal_alignment: top_left (default) or bottom_right.
+inline Alignment causal_alignment(const io::SafetensorsFile& file) {
+  const auto it = file.metadata.find("causal_alignment");
+  if (it == file.metadata.end() || it->second == "top_left") return Alignment::top_left;
+  if (it->second == "bottom_right") return Alignment::bottom_right;
+  throw ShapeError(
+      "metadata 'causal_alignment': expected \"top_left\" or \"bottom_right\", got \"" +
+      it->second + "\"");
+}
+
+// One side of the window: an integer >= -1 (-1, the default, is unbounded).
+inline Index window_side(const io::SafetensorsFile& file, const std::string& key) {
+  const auto it = file.metadata.find(key);
+  if (it == file.metadata.end()) return -1;
+  const std::string& text = it->second;
+  if (text == "-1") return -1;
+  const bool digits = !text.empty() && text.size() <= 9 &&
+                      text.find_first_not_of("0123456789") == std::string::npos;
+  if (!digits) {
+    throw ShapeError("metadata '" + key + "': expected an integer >= -1 (-1 = unbounded), got \"" +
+                     text + "\"");
+  }
+  return static_cast<Index>(std::stol(text));  // at most 9 digits: no overflow
+}
+
+// softcap: a decimal number >= 0, finite in T, "0" (the default) for none.
+template <class T>
+T softcap(const io::SafetensorsFile& file) {
+  const auto it = file.metadata.find("softcap");
+  if (it == file.metadata.end()) return T(0);
+  const std::string& text = it->second;
+  // Decimal notation only: strtod would also take "inf", "nan", hex and leading blanks.
+  const bool decimal = !text.empty() && text.size() <= 64 &&
+                       text.find_first_not_of("0123456789.eE+-") == std::string::npos;
+  char* end = nullptr;
+  const double value = decimal ? std::strtod(text.c_str(), &end) : -1.0;
+  // Compared before the cast: a double beyond float's range (1e300) would not convert.
+  if (!decimal || end != text.c_str() + text.size() || !(value >= 0.0) ||
+      value > static_cast<double>(std::numeric_limits<T>::max())) {
+    throw ShapeError("metadata 'softcap': expected a finite number >= 0 (0 = none), got \"" + text +
+                     "\"");
+  }
+  return static_cast<T>(value);
 }
 
 inline Index num_heads(const io::SafetensorsFile& file) {
@@ -141,6 +208,27 @@ Mask<T> read_mask(const io::SafetensorsFile& file, const std::string& name) {
   return Mask<T>::additive(read_input<T>(file, name));
 }
 
+// ALiBi slopes: the alibi_slopes tensor [H], or the paper's with metadata alibi "1", or none.
+template <class T>
+std::vector<T> alibi(const io::SafetensorsFile& file, Index heads) {
+  const auto key = file.metadata.find("alibi");
+  if (file.tensors.count("alibi_slopes") == 0) {
+    return flag(file, "alibi", false) ? alibi_slopes<T>(heads) : std::vector<T>();
+  }
+  if (key != file.metadata.end()) {
+    throw ShapeError(
+        "metadata 'alibi': expected absent with an alibi_slopes tensor (which gives the slopes), "
+        "got \"" +
+        key->second + "\"");
+  }
+  const Tensor<T> slopes = read_input<T>(file, "alibi_slopes");
+  if (slopes.shape() != Shape{heads}) {
+    mha::detail::throw_shape("alibi_slopes", "[" + std::to_string(heads) + "] (one per head)",
+                             slopes.shape());
+  }
+  return std::vector<T>(slopes.data(), slopes.data() + slopes.size());
+}
+
 template <class T>
 io::SafetensorsFile run_as(const io::SafetensorsFile& in) {
   std::vector<std::string> parameter_names;
@@ -155,6 +243,12 @@ io::SafetensorsFile run_as(const io::SafetensorsFile& in) {
   options.need_weights = flag(in, "need_weights", true);
   options.average_attn_weights = flag(in, "average_attn_weights", true);
   options.is_causal = flag(in, "is_causal", false);
+  options.causal_alignment = causal_alignment(in);
+  options.window.left = window_side(in, "window_left");
+  options.window.right = window_side(in, "window_right");
+  options.window.alignment = options.causal_alignment;
+  options.alibi_slopes = alibi<T>(in, layer.num_heads());
+  options.softcap = softcap<T>(in);
   options.kernel = kernel(in);
   options.key_padding_mask = read_mask<T>(in, "key_padding_mask");
   options.attn_mask = read_mask<T>(in, "attn_mask");

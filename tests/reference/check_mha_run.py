@@ -2,7 +2,7 @@
 """Out-of-sample check of the `mha_run IN OUT` command-line tool against torch 1.13.
 
   /usr/bin/python3 tests/reference/check_mha_run.py --mha-run PATH/TO/mha_run [--count 200] [--seed 1]
-                                                   [--grad-share 0.5] [--gqa-share 0.3]
+                                                   [--grad-share 0.5] [--gqa-share 0.3] [--modern-share 0.3]
       Generates COUNT random configurations with generate.py (random shapes and options, float32 and
       float64), runs `mha_run case.in.safetensors out.safetensors` on each and compares `output` and
       `attn_weights` with torch's: |a - b| <= atol + rtol * |b| (float32: rtol 1.3e-6, atol 1e-5, torch.testing.assert_close's defaults;
@@ -14,6 +14,12 @@
       their expected values come from generate.written_out_mha, which every run checks against
       torch's module: on every non-GQA case (the same code with H_kv = H; they agree bit for bit),
       and on every GQA case with the key/value heads expanded (see generate.py).
+      Another share (--modern-share, default 0.3, from a random stream of its own too; 0 gives the
+      configurations of earlier runs) get the modern options: causal_alignment (absent, top_left or
+      bottom_right), a window (each side -1 or 0..S), ALiBi (metadata alibi=1 or an alibi_slopes
+      tensor) and softcap, at least one of them (generate.modern_variant). Their expected values
+      come from generate.written_out_mha too, checked in every run against torch's module with the
+      masks folded into attn_mask (where there is no softcap) and against generate.naive_mha.
       A share of the cases (--grad-share, default 0.5; 0 turns gradients off; the choice comes from
       its own random stream, so --seed K gives the same configurations whatever the share) also get
       a random `grad_output` in IN, and a third of those without weights metadata kernel=reference.
@@ -167,12 +173,27 @@ def select_gradients(specs, seed, share):
             spec.description = "random configuration: " + spec.summary()
 
 
+def modern_kinds(spec):
+    """The modern options a case has, as report labels."""
+    kinds = []
+    if spec.window is not None:
+        kinds.append("window")
+    if spec.bottom_right:
+        kinds.append("bottom_right" + (" with L != S" if spec.L != spec.S else " with L == S"))
+    if spec.alibi is not None:
+        kinds.append("alibi=" + spec.alibi)
+    if spec.softcap:
+        kinds.append("softcap > 0")
+    return kinds
+
+
 def run_random(args, work_dir):
-    specs = gen.random_specs(args.count, args.seed, args.gqa_share)
+    specs = gen.random_specs(args.count, args.seed, args.gqa_share, args.modern_share)
     select_gradients(specs, args.seed, args.grad_share)
     passed = failed = 0
     with_grad = 0
     gqa = {}  # "grouped" / "multi-query" -> (cases, with gradients, failed)
+    modern = {}  # option label, or "all" -> (cases, with gradients, failed)
     worst = {}  # dtype name -> (share of the gradient tolerance, case and tensor)
     for spec in specs:
         with_grad += spec.grad
@@ -193,10 +214,17 @@ def run_random(args, work_dir):
             kind = "multi-query" if spec.H_kv == 1 else "grouped-query"
             n, g, f = gqa.get(kind, (0, 0, 0))
             gqa[kind] = (n + 1, g + spec.grad, f + bool(msgs))
+        if spec.modern:
+            for kind in ["all"] + modern_kinds(spec):
+                n, g, f = modern.get(kind, (0, 0, 0))
+                modern[kind] = (n + 1, g + spec.grad, f + bool(msgs))
     print(f"{with_grad} of {len(specs)} random cases with gradients")
     for kind, (n, g, f) in sorted(gqa.items()):
         print(f"{n} {kind} cases (H_kv {'= 1' if kind == 'multi-query' else '> 1'}), {g} with gradients, "
               f"{f} failed")
+    for kind, (n, g, f) in sorted(modern.items(), key=lambda item: (item[0] != "all", item[0])):
+        what = "cases with modern options" if kind == "all" else f"with {kind}"
+        print(f"{n} {what}, {g} with gradients, {f} failed")
     print_usage(worst)
     gen.print_cross_check()
     return passed, failed
@@ -367,6 +395,17 @@ def malformed_inputs():
     add("add_zero_attn_empty", gen.safetensors_bytes(t, with_meta(add_zero_attn="")))
     add("num_kv_heads_not_k_proj_weight", gen.safetensors_bytes(t, with_meta(num_kv_heads="1")))  # H = 2
     add("num_kv_heads_zero", gen.safetensors_bytes(t, with_meta(num_kv_heads="0")))
+    add("causal_alignment_unknown", gen.safetensors_bytes(t, with_meta(causal_alignment="bottom-right")))
+    add("window_left_below_minus_1", gen.safetensors_bytes(t, with_meta(window_left="-2")))
+    add("window_right_not_integer", gen.safetensors_bytes(t, with_meta(window_right="1.5")))
+    add("alibi_2", gen.safetensors_bytes(t, with_meta(alibi="2")))
+    add("softcap_negative", gen.safetensors_bytes(t, with_meta(softcap="-1")))
+    add("softcap_nan", gen.safetensors_bytes(t, with_meta(softcap="nan")))
+    slopes = np.array([0.5, 0.25], f32)  # H = 2
+    add("alibi_1_with_alibi_slopes", gen.safetensors_bytes(with_tensors(alibi_slopes=slopes), with_meta(alibi="1")))
+    add("alibi_slopes_wrong_shape", gen.safetensors_bytes(with_tensors(alibi_slopes=np.zeros(3, f32)), meta))
+    add("alibi_slopes_dtype_mismatch", gen.safetensors_bytes(
+        with_tensors(alibi_slopes=slopes.astype(np.float64)), meta))
     add("nonexistent_input_file", None)
     return cases
 
@@ -420,6 +459,9 @@ def main(argv=None):
                     help="share of the random cases that also check gradients (default: %(default)s)")
     ap.add_argument("--gqa-share", type=float, default=0.3, metavar="P",
                     help="share of the random cases that are grouped-query attention (default: %(default)s)")
+    ap.add_argument("--modern-share", type=float, default=0.3, metavar="P",
+                    help="share of the random cases given a window, causal alignment, ALiBi or softcap "
+                         "(default: %(default)s)")
     ap.add_argument("--malformed", action="store_true", help="check malformed inputs instead")
     ap.add_argument("--cases-dir", metavar="DIR", help="check existing NAME.in/NAME.expected pairs in DIR instead")
     ap.add_argument("--keep", metavar="DIR", help="write the cases and outputs to DIR and keep them")
@@ -430,6 +472,8 @@ def main(argv=None):
         ap.error(f"--grad-share must be in [0, 1], got {args.grad_share}")
     if not 0.0 <= args.gqa_share <= 1.0:
         ap.error(f"--gqa-share must be in [0, 1], got {args.gqa_share}")
+    if not 0.0 <= args.modern_share <= 1.0:
+        ap.error(f"--modern-share must be in [0, 1], got {args.modern_share}")
     if not (os.path.isfile(args.mha_run) and os.access(args.mha_run, os.X_OK)):
         ap.error(f"not an executable file: {args.mha_run}")
     args.mha_run = os.path.abspath(args.mha_run)

@@ -1,13 +1,16 @@
 #!/usr/bin/python3
-"""Reference fixtures for mha, computed by real torch.nn.MultiheadAttention (grouped-query attention
-by torch written out, checked against the module).
+"""Reference fixtures for mha, computed by real torch.nn.MultiheadAttention (grouped-query attention,
+windows, causal alignment, ALiBi and softcap by torch written out, checked against the module).
 
 For every case NAME two safetensors files are written:
 
   NAME.in.safetensors        the input of `mha_run IN OUT`: module parameters under their
                              state_dict names, query/key/value, optional masks, and metadata
                              num_heads, add_zero_attn, need_weights, average_attn_weights, is_causal
-                             (and kernel in a few cases; num_kv_heads in the gqa_* cases).
+                             (and kernel in a few cases; num_kv_heads in the gqa_* cases;
+                             causal_alignment, window_left / window_right, alibi, softcap in
+                             the window_*, alibi_*, softcap_* cases, some with an
+                             alibi_slopes tensor).
                              Gradient cases (grad_*, gqa_grad_*) also hold grad_output, the
                              shape of output.
   NAME.expected.safetensors  `output` and (need_weights=1) `attn_weights` as returned by torch,
@@ -90,6 +93,32 @@ Grouped-query attention (the gqa_* cases, and random cases made GQA by --gqa-sha
     mapping (repeat instead of repeat_interleave) fails it by 8 on the first grouped case.
   * Each gqa_* case draws from its own seed (the CRC-32 of its name) as every case does, and adds no
     key to the metadata of the other cases, so those are byte for byte what they were.
+
+Windows, causal alignment, ALiBi and softcap (the window_*, alibi_*, softcap_* cases, *_grad_* with
+gradients; random cases made so by --modern-share, from a stream of their own):
+
+  * c = i (causal_alignment top_left, the default) or i + S - L (bottom_right) is the key position
+    query i is aligned with. is_causal blocks key j > c; the window (window_left, window_right; -1 =
+    unbounded) blocks j < c - left and j > c + right; ALiBi adds -slope_h * |c - j| to head h's
+    scores. All three act on the S input keys only: the bias_k and zero columns stay visible and
+    unbiased. softcap c > 0 turns the scaled scores s = q.k / sqrt(D) into c * tanh(s / c) before
+    anything is added, on every column.
+  * ALiBi slopes: alibi=1 in the metadata means the paper's (paper_alibi_slopes, as
+    mha::alibi_slopes: exact powers of two for H <= 8); alibi="tensor" cases hold an alibi_slopes
+    tensor [H] instead, uniform in [1/16, 1.5] in steps of 1/1024, drawn from [seed, "alib"].
+  * Torch 1.13's module has none of these options, so written_out_mha computes the cases: the
+    position masks and the ALiBi bias join _additive_mask's 2.x merge (-inf where blocked), and with
+    softcap the scores are capped before the merged mask is added (bmm, tanh, add, instead of
+    baddbmm). Gradients by autograd through it.
+  * Checks, every time a case is built: without softcap, against torch's module (with the key/value
+    heads expanded for GQA) given the whole merged mask as one float attn_mask [B*H, L, S] (they
+    agree bit for bit); always, in float64, against naive_mha, a second writing out (batch-first,
+    one head at a time, each score's mask and bias decided element by element from the definitions
+    above) within 1e-12 of scale, output, weights and every gradient.
+  * Rows that is_causal and the window leave without any key (possible with bottom_right and L > S,
+    or a narrow window) are avoided as fully masked rows are (_draw_masks), unless bias_k or the zero
+    key keeps them non-empty (some fixtures are built around that).
+  * Keys are added to the metadata only of these cases: the others are byte for byte what they were.
 """
 
 import argparse
@@ -217,7 +246,7 @@ class Spec:
                  vdim=None, bias=True, add_bias_kv=False, add_zero_attn=False, self_attn=False,
                  attn_mask=None, attn_inf=False, kpm=None, kpm_inf=False, is_causal=False,
                  need_weights=True, average=True, meta="full", seed=None, kernel=None, grad=False,
-                 num_kv_heads=None):
+                 num_kv_heads=None, causal_alignment=None, window=None, alibi=None, softcap=None):
         assert dtype in ("f32", "f64")
         assert attn_mask in (None, "bool2d", "bool3d", "float2d", "float3d")
         assert kpm in (None, "bool", "float")
@@ -244,6 +273,25 @@ class Spec:
         self.H_kv = H if num_kv_heads is None else num_kv_heads
         assert self.H_kv >= 1 and H % self.H_kv == 0, name
         self.seed = zlib.crc32(name.encode()) if seed is None else seed
+        # Modern attention (see "Windows, ALiBi and softcap" in the module docstring). None: no key in
+        # the metadata (every case written before these options existed).
+        assert causal_alignment in (None, "top_left", "bottom_right"), name
+        assert window is None or (len(window) == 2 and all(int(w) >= -1 for w in window)), name
+        assert alibi in (None, "paper", "tensor"), name
+        assert softcap is None or (math.isfinite(softcap) and softcap >= 0), name
+        self.causal_alignment, self.alibi, self.softcap = causal_alignment, alibi, softcap
+        self.window = None if window is None else (int(window[0]), int(window[1]))
+        self.slopes = None  # the ALiBi slopes [H] once build_case has drawn them
+
+    @property
+    def modern(self):
+        """Sets a window, causal alignment, ALiBi or softcap: computed by written_out_mha."""
+        return (self.causal_alignment is not None or self.window is not None or self.alibi is not None
+                or self.softcap is not None)
+
+    @property
+    def bottom_right(self):
+        return self.causal_alignment == "bottom_right"
 
     @property
     def gqa(self):
@@ -260,12 +308,22 @@ class Spec:
             full["kernel"] = self.kernel
         if self.num_kv_heads is not None:
             full["num_kv_heads"] = str(self.num_kv_heads)
+        modern = {}
+        if self.causal_alignment is not None:
+            modern["causal_alignment"] = self.causal_alignment
+        if self.window is not None:
+            modern["window_left"], modern["window_right"] = str(self.window[0]), str(self.window[1])
+        if self.alibi == "paper":
+            modern["alibi"] = "1"  # "tensor": an alibi_slopes tensor in IN instead
+        if self.softcap is not None:
+            modern["softcap"] = repr(float(self.softcap))
+        full.update(modern)
         if self.meta == "full":
             return full
         # Minimal metadata also leaves out num_kv_heads, which mha_run infers from k_proj_weight.
         defaults = {"add_zero_attn": "0", "need_weights": "1", "average_attn_weights": "1", "is_causal": "0"}
         return {k: v for k, v in full.items()
-                if k in ("num_heads", "kernel") or (k in defaults and defaults[k] != v)}
+                if k in ("num_heads", "kernel") or k in modern or (k in defaults and defaults[k] != v)}
 
     def summary(self):
         parts = [self.dtype, "unbatched" if self.B is None else f"B={self.B}",
@@ -285,6 +343,14 @@ class Spec:
             parts.append("kpm=" + self.kpm + ("(-inf)" if self.kpm_inf else ""))
         if self.is_causal:
             parts.append("causal")
+        if self.causal_alignment is not None:
+            parts.append(self.causal_alignment)
+        if self.window is not None:
+            parts.append(f"window=({self.window[0]},{self.window[1]})")
+        if self.alibi is not None:
+            parts.append("alibi=" + self.alibi)
+        if self.softcap is not None:
+            parts.append(f"softcap={self.softcap:g}")
         if not self.need_weights:
             parts.append("no-weights")
         elif not self.average:
@@ -310,8 +376,7 @@ def _blocked(spec, attn_mask, kpm):
     if kpm is not None:
         kp = kpm if kpm.dtype == np.bool_ else np.isneginf(kpm)
         blocked |= kp.reshape(B, 1, 1, S)
-    if spec.is_causal:
-        blocked |= causal_mask(L, S)[None, None]
+    blocked |= position_blocked(spec)[None, None]
     return blocked
 
 
@@ -320,11 +385,68 @@ def causal_mask(L, S):
     return np.triu(np.ones((L, S), dtype=bool), k=1)
 
 
+def _diagonal(spec):
+    """([L, 1] c, [1, S] j): the key position c that query i is aligned with, c = i (top_left, the
+    default) or i + S - L (bottom_right), and the key positions j."""
+    shift = spec.S - spec.L if spec.bottom_right else 0
+    return np.arange(spec.L)[:, None] + shift, np.arange(spec.S)[None, :]
+
+
+def position_blocked(spec):
+    """[L, S] bool, True = blocked by is_causal (j > c) or the window (j < c - left or j > c + right,
+    a side of -1 unbounded); c from _diagonal. Without a window or causal_alignment: causal_mask."""
+    c, j = _diagonal(spec)
+    blocked = np.zeros((spec.L, spec.S), dtype=bool)
+    if spec.is_causal:
+        blocked |= j > c
+    if spec.window is not None:
+        left, right = spec.window
+        if left >= 0:
+            blocked |= j < c - left
+        if right >= 0:
+            blocked |= j > c + right
+    return blocked
+
+
+def alibi_bias(spec, slopes):
+    """[H, L, S] float64: ALiBi's -slope_h * |c - j| (c from _diagonal), from slopes [H]."""
+    c, j = _diagonal(spec)
+    return -np.asarray(slopes, dtype=np.float64)[:, None, None] * np.abs(c - j)[None].astype(np.float64)
+
+
+def paper_alibi_slopes(H):
+    """The ALiBi paper's slopes (BLOOM's get_slopes), as mha::alibi_slopes computes them: for n a power
+    of two 2^(-8 (h + 1) / n); else those of the largest power of two n <= H, then every other slope
+    of 2n. (In float64; exact powers of two for every H <= 8.)"""
+    def power_of_two(n):
+        return [2.0 ** (-8.0 * (h + 1) / n) for h in range(n)]
+    closest = 2 ** int(math.floor(math.log2(H)))
+    return power_of_two(closest) + power_of_two(2 * closest)[0::2][:H - closest]
+
+
+# Second seed word of the stream explicit ALiBi slopes (alibi="tensor") are drawn from (ASCII "alib").
+_ALIBI_STREAM = 0x616C6962
+
+
+def draw_slopes(spec, fdt):
+    """The ALiBi slopes [H] of a case in fdt, or None: the paper's (alibi="paper"), or uniform in
+    [1/16, 1.5] rounded to multiples of 1/1024 (exact in float32), from a stream of their own
+    (alibi="tensor")."""
+    if spec.alibi is None:
+        return None
+    if spec.alibi == "paper":
+        return np.array(paper_alibi_slopes(spec.H), dtype=np.float64).astype(fdt)
+    rng = np.random.default_rng([spec.seed, _ALIBI_STREAM])
+    return (np.round(rng.uniform(1 / 16, 1.5, spec.H) * 1024) / 1024).astype(fdt)
+
+
 def _draw_masks(spec, rng, fdt):
     """Random masks without fully masked rows (redrawn until none)."""
     B = 1 if spec.B is None else spec.B
     H, L, S = spec.H, spec.L, spec.S
     batch_axis = () if spec.B is None else (B,)
+    if not (spec.add_bias_kv or spec.add_zero_attn) and position_blocked(spec).all(axis=-1).any():
+        raise RuntimeError(f"{spec.name}: is_causal and the window leave a query row without keys")
     for attempt in range(10000):
         p = 0.3 if attempt < 2000 else 0.1
         attn_mask = kpm = None
@@ -364,6 +486,15 @@ def _draw_masks(spec, rng, fdt):
 def _torch_masks(spec, attn_mask, kpm, tdt):
     """Masks to hand to torch 1.13 so that it computes the 2.x result (see module docstring)."""
     B, H, L, S = spec.B, spec.H, spec.L, spec.S
+    if spec.modern:
+        # Windows, bottom-right alignment and ALiBi are no options of torch's module: everything is
+        # handed to it as one float attn_mask [B*H, L, S] ([H, L, S] unbatched), the 2.x merge of
+        # _additive_mask. (Softcap cannot be: those cases are never run through the module.)
+        assert not spec.softcap, spec.name
+        total = _additive_mask(spec, attn_mask, kpm, tdt)
+        if total is None:
+            return None, None
+        return total.reshape((H if B is None else B * H), L, S), None
     am = None if attn_mask is None else torch.from_numpy(attn_mask)
     kp = None if kpm is None else torch.from_numpy(kpm)
     if spec.is_causal:
@@ -411,7 +542,9 @@ def param_shapes(spec):
 def _additive_mask(spec, attn_mask, kpm, tdt):
     """The PyTorch 2.x merge of the masks as one float [B, H, L, S] (None without masks): a bool
     mask is -inf where true, a float one is added; attn_mask + key_padding_mask; is_causal writes
-    -inf where key j > query i (top-left, over the S input keys)."""
+    -inf where key j > query i (top-left, over the S input keys). With the modern options: ALiBi's
+    -slope_h * |c - j| added (spec.slopes), and -inf where position_blocked (is_causal and the
+    window, aligned by causal_alignment)."""
     B = 1 if spec.B is None else spec.B
     H, L, S = spec.H, spec.L, spec.S
 
@@ -425,9 +558,12 @@ def _additive_mask(spec, attn_mask, kpm, tdt):
     if kpm is not None:
         k = additive(kpm).reshape(B, 1, 1, S)
         total = k if total is None else total + k
-    if spec.is_causal:
+    if spec.alibi is not None:
+        bias = torch.from_numpy(alibi_bias(spec, spec.slopes)).to(tdt).reshape(1, H, L, S)
+        total = bias if total is None else total + bias
+    if spec.is_causal or spec.window is not None:
         base = torch.zeros((L, S), dtype=tdt) if total is None else total
-        total = base.masked_fill(torch.from_numpy(causal_mask(L, S)), float("-inf"))
+        total = base.masked_fill(torch.from_numpy(position_blocked(spec)), float("-inf"))
     return None if total is None else total.expand(B, H, L, S)
 
 
@@ -442,7 +578,9 @@ def written_out_mha(spec, p, query, key, value, attn_mask, kpm):
     it agrees with the module to rounding; build_case checks that on every non-GQA case. Steps:
     project, append bias_k / bias_v, split heads, append the zero key/value, repeat the key/value
     heads, scores = (q / sqrt(D)) k^T + the merged mask (zero for the extra columns), softmax,
-    weights @ v, merge heads, out_proj; weights summed over heads / H when averaged."""
+    weights @ v, merge heads, out_proj; weights summed over heads / H when averaged. With softcap c,
+    the scores are c * tanh(scores / c) before the merged mask (which holds the window, the causal
+    alignment and ALiBi, see _additive_mask) is added."""
     E, H, H_kv, L = spec.E, spec.H, spec.H_kv, spec.L
     D = E // H
     W, group = H_kv * D, H // H_kv
@@ -487,7 +625,12 @@ def written_out_mha(spec, p, query, key, value, attn_mask, kpm):
         v = v.reshape(B, H_kv, s_prime, D).repeat_interleave(group, dim=1).reshape(B * H, s_prime, D)
     q_scaled = q / math.sqrt(D)
     mask = _additive_mask(spec, attn_mask, kpm, q.dtype)
-    if mask is None:
+    if spec.softcap:  # capped before any mask or bias is added, on every column
+        scores = torch.bmm(q_scaled, k.transpose(-2, -1))
+        scores = spec.softcap * torch.tanh(scores / spec.softcap)
+        if mask is not None:
+            scores = scores + F.pad(mask, (0, s_prime - spec.S)).reshape(B * H, L, s_prime)
+    elif mask is None:
         scores = torch.bmm(q_scaled, k.transpose(-2, -1))
     else:  # the extra columns (bias_k, zero attention) are never masked
         mask = F.pad(mask, (0, s_prime - spec.S)).reshape(B * H, L, s_prime)
@@ -563,7 +706,7 @@ CROSS_CHECK_TOL = {"f32": 1e-6, "f64": 1e-12}
 cross_check_worst = {}
 
 
-def _cross_check(spec, torch_result, mine, check="non-GQA"):
+def _cross_check(spec, torch_result, mine, check="torch's module, non-GQA"):
     """Asserts that written_out_mha's results (mine) are torch's (every tensor)."""
     assert set(mine) == set(torch_result), (spec.name, sorted(mine), sorted(torch_result))
     tol = CROSS_CHECK_TOL[spec.dtype]
@@ -574,8 +717,8 @@ def _cross_check(spec, torch_result, mine, check="non-GQA"):
         diff = float(np.abs(a.astype(np.float64) - e.astype(np.float64)).max(initial=0.0))
         share = diff / (tol * scale)
         if not share <= 1.0:  # NaN fails too
-            raise AssertionError(f"{spec.name}: written-out reference differs from torch's module ({check} "
-                                 f"check) in {n}: max |diff| {diff:.3e} > {tol:g} * {scale:.3g}")
+            raise AssertionError(f"{spec.name}: written-out reference differs from {check} "
+                                 f"in {n}: max |diff| {diff:.3e} > {tol:g} * {scale:.3g}")
         key = (check, spec.dtype)
         if share > cross_check_worst.get(key, (-1.0, ""))[0]:
             cross_check_worst[key] = (share, f"{spec.name} {n}")
@@ -589,8 +732,7 @@ def _expansion_check(spec, params, run):
     In float64 whatever the case's dtype (float32 values widened): it checks the formula, and the
     two float32 evaluations differ by more than 1e-6 (torch's wider products round differently)."""
     fdt, tdt = np.float64, torch.float64
-    spec = copy.copy(spec)
-    spec.dtype = "f64"
+    spec = _widened(spec)
     params = {n: x.astype(fdt) for n, x in params.items()}
     run = tuple(x if x is None or x.dtype == np.bool_ else x.astype(fdt) for x in run)
     mine = _run_written_out(spec, params, *run, fdt)
@@ -640,17 +782,126 @@ def _expansion_check(spec, params, run):
             for n in ("bias_k", "bias_v"):
                 g[n] = fold(g[n].reshape(E)).reshape(1, 1, W)
         result.update({"grad." + n: x for n, x in g.items()})
-    _cross_check(spec, result, mine, check="GQA by expansion, in float64")
+    _cross_check(spec, result, mine, check="torch's module, GQA by expansion, in float64")
+
+
+def _widened(spec):
+    """A copy of spec in float64 (its ALiBi slopes widened too)."""
+    spec = copy.copy(spec)
+    spec.dtype = "f64"
+    if spec.slopes is not None:
+        spec.slopes = spec.slopes.astype(np.float64)
+    return spec
+
+
+def naive_mha(spec, p, query, key, value, attn_mask, kpm):
+    """The 2.x module with the modern options written out a second time, as differently from
+    written_out_mha as it goes: batch-first, one (batch, head) at a time, and every score's mask and
+    bias decided element by element from the definitions (bool true = blocked, float added;
+    is_causal blocks j > c; the window blocks j < c - left or j > c + right; ALiBi adds
+    -slope_h * |c - j|; c = i, or i + S - L bottom-right; the bias_k and zero columns untouched;
+    softcap caps s = q.k / sqrt(D) first, on every column). Key/value head h // (H / H_kv).
+    Returns (output, weights or None) as written_out_mha does."""
+    E, H, H_kv, L, S = spec.E, spec.H, spec.H_kv, spec.L, spec.S
+    D, W = E // H, spec.H_kv * (E // spec.H)
+    group = H // H_kv
+    if spec.B is None:
+        query, key, value = query[None], key[None], value[None]
+    B = query.shape[0]
+    if "in_proj_weight" in p:
+        w_q, w_k, w_v = p["in_proj_weight"].split([E, W, W])
+    else:
+        w_q, w_k, w_v = p["q_proj_weight"], p["k_proj_weight"], p["v_proj_weight"]
+    b = p["in_proj_bias"].split([E, W, W]) if "in_proj_bias" in p else (0.0, 0.0, 0.0)
+    q, k, v = query @ w_q.T + b[0], key @ w_k.T + b[1], value @ w_v.T + b[2]
+    if spec.add_bias_kv:
+        k = torch.cat([k, p["bias_k"].reshape(1, 1, W).expand(B, 1, W)], dim=1)
+        v = torch.cat([v, p["bias_v"].reshape(1, 1, W).expand(B, 1, W)], dim=1)
+    if spec.add_zero_attn:
+        k = torch.cat([k, torch.zeros((B, 1, W), dtype=k.dtype)], dim=1)
+        v = torch.cat([v, torch.zeros((B, 1, W), dtype=v.dtype)], dim=1)
+    s_prime = k.shape[1]
+    shift = S - L if spec.bottom_right else 0
+
+    def score_bias(bb, h, i, j):  # what the masks and biases add to score (i, j) of head h
+        if j >= S:
+            return 0.0
+        total = 0.0
+        for m, index in ((attn_mask, (i, j) if attn_mask is None or attn_mask.ndim == 2 else
+                          (bb * H + h, i, j)), (kpm, (j,) if spec.B is None else (bb, j))):
+            if m is None:
+                continue
+            x = m[index]
+            total += (-math.inf if x else 0.0) if m.dtype == np.bool_ else float(x)
+        c = i + shift
+        if spec.is_causal and j > c:
+            total = -math.inf
+        if spec.window is not None:
+            left, right = spec.window
+            if (left >= 0 and j < c - left) or (right >= 0 and j > c + right):
+                total = -math.inf
+        if spec.alibi is not None:
+            total -= float(spec.slopes[h]) * abs(c - j)
+        return total
+
+    heads, weights = [], []
+    for bb in range(B):
+        out_b, w_b = [], []
+        for h in range(H):
+            g = h // group
+            s = q[bb, :, h * D:(h + 1) * D] @ k[bb, :, g * D:(g + 1) * D].T / math.sqrt(D)
+            if spec.softcap:
+                s = spec.softcap * torch.tanh(s / spec.softcap)
+            bias = torch.tensor([[score_bias(bb, h, i, j) for j in range(s_prime)] for i in range(L)],
+                                dtype=s.dtype)
+            w = torch.softmax(s + bias, dim=-1)
+            out_b.append(w @ v[bb, :, g * D:(g + 1) * D])
+            w_b.append(w)
+        heads.append(torch.cat(out_b, dim=-1))
+        weights.append(torch.stack(w_b))
+    out = torch.stack(heads) @ p["out_proj.weight"].T
+    if "out_proj.bias" in p:
+        out = out + p["out_proj.bias"]
+    weights = torch.stack(weights)  # [B, H, L, S']
+    if spec.average:
+        weights = weights.mean(dim=1)
+    if spec.B is None:
+        out, weights = out[0], weights[0]
+    return out, (weights if spec.need_weights else None)
+
+
+def _naive_check(spec, params, run):
+    """Checks written_out_mha on a case with modern options against naive_mha, both in float64 (values
+    of float32 cases widened), output, weights and every gradient within 1e-12 of scale: the second
+    writing out is what makes a slip in one of them (a sign, an alignment, a mask on the wrong
+    columns) show."""
+    fdt = np.float64
+    spec = _widened(spec)
+    params = {n: x.astype(fdt) for n, x in params.items()}
+    run = tuple(x if x is None or x.dtype == np.bool_ else x.astype(fdt) for x in run)
+    mine = _run_written_out(spec, params, *run, fdt)
+    query, key, value, attn_mask, kpm, grad_output = run
+    tq, tk, tv = _leaves(spec, query, key, value)
+    p = {n: torch.from_numpy(x.copy()).requires_grad_() for n, x in params.items()}
+    with torch.enable_grad():
+        out, weights = naive_mha(spec, p, tq, tk, tv, attn_mask, kpm)
+        naive = _results(spec, fdt, out, weights, grad_output, (tq, tk, tv), list(p.items()))
+    _cross_check(spec, naive, mine, check="naive_mha, modern options, in float64")
 
 
 def build_case(spec, cross_check=True):
     """Returns (in_tensors, in_metadata, expected_tensors, expected_metadata).
 
-    Non-GQA cases are computed by torch's nn.MultiheadAttention and, with cross_check, also by
-    written_out_mha, which must agree (_cross_check); GQA cases (H_kv != H) by written_out_mha."""
+    Non-GQA cases without the modern options are computed by torch's nn.MultiheadAttention and, with
+    cross_check, also by written_out_mha, which must agree (_cross_check); GQA cases (H_kv != H) and
+    cases with a window, causal_alignment, ALiBi or softcap by written_out_mha, checked against
+    torch's module where it can compute them (_expansion_check; without softcap, by the masks folded
+    into attn_mask) and, with the modern options, against naive_mha."""
     rng = np.random.default_rng(spec.seed)
     fdt = np.float32 if spec.dtype == "f32" else np.float64
     tdt = torch.float32 if spec.dtype == "f32" else torch.float64
+    spec = copy.copy(spec)
+    spec.slopes = draw_slopes(spec, fdt)  # from a stream of its own
     E, H, L, S, kdim, vdim = spec.E, spec.H, spec.L, spec.S, spec.kdim, spec.vdim
     lead = () if spec.B is None else (spec.B,)
 
@@ -684,10 +935,15 @@ def build_case(spec, cross_check=True):
         grad_output = grad_rng.normal(0.0, 1.0, lead + (L, E)).astype(fdt)
 
     run = (query, key, value, attn_mask, kpm, grad_output)
-    if spec.gqa:
+    if spec.gqa or spec.modern:
         expected = _run_written_out(spec, params, *run, fdt)
-        if cross_check:
+        if cross_check and spec.gqa and not spec.softcap:
             _expansion_check(spec, params, run)
+        elif cross_check and not spec.softcap:
+            _cross_check(spec, _run_torch(spec, mha, params, *run, fdt, tdt), expected,
+                         check="torch's module, modern options by folded masks")
+        if cross_check and spec.modern:
+            _naive_check(spec, params, run)
     else:
         expected = _run_torch(spec, mha, params, *run, fdt, tdt)
         if cross_check:
@@ -715,6 +971,8 @@ def build_case(spec, cross_check=True):
         inputs["key_padding_mask"] = kpm
     if attn_mask is not None:
         inputs["attn_mask"] = attn_mask
+    if spec.alibi == "tensor":
+        inputs["alibi_slopes"] = spec.slopes
     meta = spec.metadata()
     exp_meta = dict(meta)
     exp_meta["description"] = spec.description
@@ -1050,6 +1308,92 @@ def gqa_cases():
     ]
 
 
+def modern_cases():
+    """Windows, causal alignment, ALiBi and softcap (window_*, alibi_*, softcap_*; *_grad_* with
+    gradients), computed by written_out_mha and checked against torch's module with the masks folded
+    into attn_mask where there is no softcap, and against naive_mha always (see build_case)."""
+    def C(name, description, **kw):
+        return Spec(name, description, **kw)
+
+    def G(name, description, **kw):
+        return Spec(name, description, grad=True, **kw)
+    return [
+        C("window_f32_sliding_self_per_head", "causal sliding window of 3 keys (window 2, 0), self-attention, "
+          "per-head weights",
+          dtype="f32", B=2, L=6, E=8, H=2, self_attn=True, window=(2, 0), average=False),
+        C("window_f64_bottom_right_L_lt_S_kpm_bool", "window (2, 1) bottom-right, L < S, bool kpm",
+          dtype="f64", B=2, L=3, S=7, E=8, H=2, window=(2, 1), causal_alignment="bottom_right", kpm="bool"),
+        C("window_f32_causal_bottom_right_float_mask", "is_causal bottom-right + window (3, -1), L < S, float "
+          "attn_mask [L,S]",
+          dtype="f32", B=2, L=4, S=7, E=8, H=2, is_causal=True, causal_alignment="bottom_right",
+          window=(3, -1), attn_mask="float2d"),
+        C("window_f64_top_left_L_gt_S_bias_kv_zero_attn", "window (1, 1) top-left with L > S (late rows see "
+          "only bias_k and the zero key), add_bias_kv + add_zero_attn, per head",
+          dtype="f64", B=2, L=6, S=4, E=8, H=2, window=(1, 1), causal_alignment="top_left", add_bias_kv=True,
+          add_zero_attn=True, average=False),
+        C("window_f64_gqa_kv2_causal_bottom_right", "H_kv=2 of H=4, is_causal bottom-right, window (2, -1), "
+          "L < S, bool attn_mask [B*H,L,S]",
+          dtype="f64", B=2, L=3, S=6, E=16, H=4, num_kv_heads=2, is_causal=True,
+          causal_alignment="bottom_right", window=(2, -1), attn_mask="bool3d"),
+        C("alibi_f32_paper_self_causal", "ALiBi with the paper's slopes (alibi=1, H=4), is_causal, "
+          "self-attention",
+          dtype="f32", B=2, L=6, E=16, H=4, self_attn=True, is_causal=True, alibi="paper"),
+        C("alibi_f64_slopes_cross_bottom_right_per_head", "ALiBi with an alibi_slopes tensor (H=3), bottom-right, "
+          "L < S, per-head weights",
+          dtype="f64", B=2, L=3, S=6, E=12, H=3, alibi="tensor", causal_alignment="bottom_right",
+          average=False),
+        C("alibi_f32_paper_H6_kpm_float_inf", "ALiBi paper slopes for H=6 (not a power of two), float kpm "
+          "(-inf), L > S",
+          dtype="f32", B=2, L=5, S=4, E=12, H=6, alibi="paper", kpm="float", kpm_inf=True),
+        C("alibi_f32_gqa_mqa_slopes_softcap_bias_kv", "H_kv=1 of H=4, alibi_slopes tensor, softcap 3, "
+          "add_bias_kv, per head",
+          dtype="f32", B=2, L=4, S=5, E=16, H=4, num_kv_heads=1, alibi="tensor", softcap=3.0,
+          add_bias_kv=True, average=False),
+        C("softcap_f32_basic", "softcap 1.5 alone, cross-attention",
+          dtype="f32", B=2, L=4, S=5, E=8, H=2, softcap=1.5),
+        C("softcap_f64_bias_kv_zero_attn_float3d", "softcap 2, add_bias_kv + add_zero_attn (capped too), float "
+          "attn_mask [B*H,L,S] (-inf), per head",
+          dtype="f64", B=2, L=4, S=5, E=8, H=2, softcap=2.0, add_bias_kv=True, add_zero_attn=True,
+          attn_mask="float3d", attn_inf=True, average=False),
+        C("softcap_f32_unbatched_alibi_window", "unbatched, softcap 1, ALiBi paper, window (1, 1)",
+          dtype="f32", B=None, L=5, S=5, E=8, H=2, softcap=1.0, alibi="paper", window=(1, 1)),
+        C("softcap_f64_minimal_metadata_zero", "minimal metadata with softcap 0 (none) and window (-1, -1) "
+          "spelled out",
+          dtype="f64", B=2, L=3, S=4, E=8, H=2, meta="minimal", softcap=0.0, window=(-1, -1)),
+        G("window_grad_f32_sliding_causal_self_flash", "is_causal + window (2, -1), self-attention, "
+          "need_weights=0",
+          dtype="f32", B=2, L=7, E=8, H=2, self_attn=True, is_causal=True, window=(2, -1), need_weights=False),
+        G("window_grad_f64_bottom_right_L_gt_S_zero_attn", "is_causal bottom-right with L > S (first rows see "
+          "only the zero key), window (1, 0), add_zero_attn, per head",
+          dtype="f64", B=2, L=6, S=3, E=8, H=2, is_causal=True, causal_alignment="bottom_right",
+          window=(1, 0), add_zero_attn=True, average=False),
+        G("window_grad_f32_tiles_bottom_right_flash", "L=70, S=260 (several flash blocks), window (40, 5) "
+          "bottom-right, bool kpm, need_weights=0",
+          dtype="f32", B=1, L=70, S=260, E=4, H=2, window=(40, 5), causal_alignment="bottom_right", kpm="bool",
+          need_weights=False),
+        G("alibi_grad_f64_paper_cross_bottom_right_flash", "ALiBi paper (H=4), bottom-right, L < S, bool kpm, "
+          "need_weights=0",
+          dtype="f64", B=2, L=3, S=6, E=8, H=4, alibi="paper", causal_alignment="bottom_right", kpm="bool",
+          need_weights=False),
+        G("alibi_grad_f32_slopes_gqa_kv2_unbatched_window", "unbatched, H_kv=2 of H=4, alibi_slopes tensor, "
+          "window (1, 2)",
+          dtype="f32", B=None, L=4, S=6, E=16, H=4, num_kv_heads=2, alibi="tensor", window=(1, 2)),
+        G("softcap_grad_f32_bias_kv_zero_attn_causal_flash", "softcap 1.5, add_bias_kv + add_zero_attn, "
+          "is_causal, float attn_mask [L,S], need_weights=0",
+          dtype="f32", B=2, L=5, S=5, E=8, H=2, softcap=1.5, add_bias_kv=True, add_zero_attn=True,
+          is_causal=True, attn_mask="float2d", need_weights=False),
+        G("softcap_grad_f64_gqa_mqa_window_alibi_reference", "H_kv=1 of H=3, softcap 2.5, window (3, 0) and "
+          "ALiBi paper bottom-right, L < S, float kpm, need_weights=0, kernel=reference",
+          dtype="f64", B=2, L=4, S=6, E=12, H=3, num_kv_heads=1, softcap=2.5, window=(3, 0), alibi="paper",
+          causal_alignment="bottom_right", kpm="float", need_weights=False, kernel="reference"),
+        G("softcap_grad_f32_everything_per_head", "softcap 2, kdim/vdim, bias_kv, float attn_mask [B*H,L,S] "
+          "(-inf), bool kpm, causal top-left, window (2, 1), alibi_slopes tensor, per head",
+          dtype="f32", B=2, L=5, S=6, E=12, H=3, kdim=7, vdim=4, softcap=2.0, add_bias_kv=True,
+          attn_mask="float3d", attn_inf=True, kpm="bool", is_causal=True, causal_alignment="top_left",
+          window=(2, 1), alibi="tensor", average=False),
+    ]
+
+
 # ----------------------------------------------------------------------------------------------
 # random configurations (out-of-sample checks)
 
@@ -1098,15 +1442,39 @@ def gqa_variant(spec, rng):
     return g
 
 
+def modern_variant(spec, rng):
+    """spec with some of the modern options: causal_alignment (absent, top_left or bottom_right), a
+    window (each side -1 or 0..S), ALiBi (the paper's or a tensor) and softcap (0, or from 0.25 to 8 in
+    steps of 1/8: exact in float32), at least one of them. Everything else, the seed included, stays."""
+    m = copy.copy(spec)
+    m.causal_alignment = [None, "top_left", "bottom_right", "bottom_right"][int(rng.integers(0, 4))]
+    if rng.random() < 0.5:
+        sides = [int(rng.integers(0, spec.S + 1)) if rng.random() < 0.7 else -1 for _ in range(2)]
+        m.window = (sides[0], sides[1])
+    if rng.random() < 0.4:
+        m.alibi = "paper" if rng.random() < 0.5 else "tensor"
+    if rng.random() < 0.4:
+        m.softcap = 0.0 if rng.random() < 0.1 else float(rng.integers(2, 65)) / 8
+    if not m.modern:
+        m.window = (int(rng.integers(0, spec.S + 1)), -1)
+    m.description = "random configuration: " + m.summary()
+    return m
+
+
 # Second seed word of the stream that decides which random configurations become grouped-query
 # attention (ASCII "gqa "), apart from the configurations' own: with --gqa-share 0 a seed gives
 # the configurations it gave before GQA existed, and with any share the others stay the same.
 _GQA_STREAM = 0x67716120
 
+# The same for the modern options (ASCII "modn"): with --modern-share 0 a seed gives the
+# configurations it gave before they existed.
+_MODERN_STREAM = 0x6D6F646E
 
-def random_specs(count, seed, gqa_share=0.0):
+
+def random_specs(count, seed, gqa_share=0.0, modern_share=0.0):
     rng = np.random.default_rng(seed)
     gqa_rng = np.random.default_rng([seed, _GQA_STREAM])
+    modern_rng = np.random.default_rng([seed, _MODERN_STREAM])
     specs = []
     for i in range(count):
         while True:
@@ -1123,6 +1491,13 @@ def random_specs(count, seed, gqa_share=0.0):
                 s = g
             except RuntimeError:
                 pass  # keep the non-GQA configuration
+        if modern_rng.random() < modern_share:
+            m = modern_variant(s, modern_rng)
+            try:
+                _draw_masks(m, np.random.default_rng(m.seed), np.float64)
+                s = m
+            except RuntimeError:
+                pass  # the window or alignment leaves a row without keys: keep the configuration
         specs.append(s)
     return specs
 
@@ -1137,10 +1512,17 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0, help="seed for --random (default: %(default)s)")
     ap.add_argument("--gqa-share", type=float, default=0.3, metavar="P",
                     help="share of the --random cases made grouped-query attention (default: %(default)s)")
+    ap.add_argument("--modern-share", type=float, default=0.3, metavar="P",
+                    help="share of the --random cases given a window, causal alignment, ALiBi or softcap "
+                         "(default: %(default)s)")
+    ap.add_argument("--only", metavar="PREFIX", action="append",
+                    help="write only the committed cases whose name starts with PREFIX (repeatable)")
     args = ap.parse_args(argv)
 
-    specs = random_specs(args.random, args.seed, args.gqa_share) if args.random is not None else \
-        fixed_cases() + gradient_cases() + gqa_cases()
+    specs = random_specs(args.random, args.seed, args.gqa_share, args.modern_share) \
+        if args.random is not None else fixed_cases() + gradient_cases() + gqa_cases() + modern_cases()
+    if args.only:
+        specs = [s for s in specs if any(s.name.startswith(p) for p in args.only)]
     names = [s.name for s in specs]
     assert len(names) == len(set(names)), "duplicate case names"
     os.makedirs(args.out, exist_ok=True)
@@ -1156,9 +1538,9 @@ def main(argv=None):
 
 
 def print_cross_check():
-    """The largest differences between written_out_mha and torch's module seen in this run."""
+    """The largest differences between written_out_mha and its checks seen in this run."""
     for (check, dt), (share, where) in sorted(cross_check_worst.items()):
-        print(f"written-out reference vs torch's module ({check}, {dt}): largest difference "
+        print(f"written-out reference vs {check} ({dt}): largest difference "
               f"{share:.3g} of the bound {CROSS_CHECK_TOL[dt]:g} x scale ({where})")
 
 
