@@ -167,14 +167,15 @@ TEST_CASE("gradients equal central finite differences for every option", "[backw
   mha::Random random(4242);
   for (int index = 0; index < 80; ++index) {
     const Trial trial = random_trial(random, index);
+    const auto seed = static_cast<std::uint64_t>(index);
     MultiHeadAttention<T> layer(trial.config);
-    randomise(layer, 100 + static_cast<std::uint64_t>(index) * 10);
+    randomise(layer, 100 + seed * 10);
     const Index E = layer.embed_dim();
-    auto query = mha_test::random_tensor<T>(batched_shape(trial, trial.query_len, E), 1 + index);
+    auto query = mha_test::random_tensor<T>(batched_shape(trial, trial.query_len, E), 1 + seed);
     auto key =
-        mha_test::random_tensor<T>(batched_shape(trial, trial.key_len, layer.kdim()), 2 + index);
+        mha_test::random_tensor<T>(batched_shape(trial, trial.key_len, layer.kdim()), 2 + seed);
     auto value =
-        mha_test::random_tensor<T>(batched_shape(trial, trial.key_len, layer.vdim()), 3 + index);
+        mha_test::random_tensor<T>(batched_shape(trial, trial.key_len, layer.vdim()), 3 + seed);
     mha::ForwardOptions<T> options;
     options.need_weights = trial.need_weights;
     options.kernel = trial.kernel;
@@ -184,7 +185,7 @@ TEST_CASE("gradients equal central finite differences for every option", "[backw
 
     // loss = sum(output ∘ g). With dropout, forward_train draws a seed per call: reseeding
     // before each call replays the same mask, so the loss is a smooth function to difference.
-    const auto g = mha_test::random_tensor<T>(query.shape(), 7 + index);
+    const auto g = mha_test::random_tensor<T>(query.shape(), 7 + seed);
     mha::SavedForward<T> saved;
     const auto forward = [&](auto&& input_query) {
       layer.seed_dropout(99);

@@ -230,7 +230,8 @@ AttentionProblem<T> attention_problem(const TensorView<const T>& query,
   problem.heads = rank >= 3 ? query.dim(rank - 3) : 1;
   // With enable_gqa, key and value may have H_kv heads, any divisor of H (checked below).
   problem.kv_leading = problem.leading;
-  if (options.enable_gqa && rank >= 3) problem.kv_leading[rank - 3] = kAnyDim;
+  const auto heads_axis = static_cast<std::size_t>(rank - 3);  // when rank >= 3
+  if (options.enable_gqa && rank >= 3) problem.kv_leading[heads_axis] = kAnyDim;
   check_shape("key", problem.kv_shape(kAnyDim, problem.head_dim), key.shape());
   problem.key_len = key.dim(rank - 2);
   problem.kv_heads = rank >= 3 ? key.dim(rank - 3) : 1;
@@ -238,7 +239,7 @@ AttentionProblem<T> attention_problem(const TensorView<const T>& query,
     throw_shape("key", "a number of heads dividing query's " + std::to_string(problem.heads),
                 key.shape());
   }
-  if (rank >= 3) problem.kv_leading[rank - 3] = problem.kv_heads;
+  if (rank >= 3) problem.kv_leading[heads_axis] = problem.kv_heads;
   check_shape("value", problem.kv_shape(problem.key_len, kAnyDim), value.shape());
   problem.value_dim = value.dim(rank - 1);
 
