@@ -122,24 +122,26 @@ struct CoreOptions {
   Dropout<T> dropout;
 
   // tile += the scaled (and capped) scores of q [rows, D] against k [cols, D]. With softcap, the
-  // capped scores are left in `capped` (resized by the caller to the tile's shape), which the
-  // backward pass needs for the derivative.
-  template <class Tile, class Q, class K, class Capped>
-  void add_scores(Tile& tile, const Q& q, const K& k, Capped& capped) const {
+  // capped scores are left in the top-left corner of `capped` (which the caller sized to hold the
+  // tile), where the backward pass reads them for the derivative.
+  template <class Tile, class Q, class K>
+  void add_scores(Tile& tile, const Q& q, const K& k, Matrix<T>& capped) const {
     if (softcap > T(0)) {
-      capped.noalias() = scale * (q * k.transpose());
-      capped = (softcap * (capped.array() / softcap).tanh()).matrix();
-      tile += capped;
+      auto corner = capped.topLeftCorner(tile.rows(), tile.cols());
+      corner.noalias() = scale * (q * k.transpose());
+      corner = (softcap * (corner.array() / softcap).tanh()).matrix();
+      tile += corner;
     } else {
       tile.noalias() += scale * (q * k.transpose());
     }
   }
   // grad_scores, the gradient of the capped scores, becomes that of the uncapped ones:
   // d/ds c tanh(s / c) = 1 - tanh²(s / c) = 1 - (capped / c)².
-  template <class Grad, class Capped>
-  void softcap_backward(Grad& grad_scores, const Capped& capped) const {
+  template <class Grad>
+  void softcap_backward(Grad& grad_scores, const Matrix<T>& capped) const {
     if (softcap > T(0)) {
-      grad_scores.array() *= T(1) - (capped.array() / softcap).square();
+      const auto corner = capped.topLeftCorner(grad_scores.rows(), grad_scores.cols());
+      grad_scores.array() *= T(1) - (corner.array() / softcap).square();
     }
   }
 

@@ -111,8 +111,7 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
         } else {
           s.setZero();
         }
-        auto capped = mine.capped.topLeftCorner(rows, cols);
-        options.add_scores(s, q_bh.middleRows(i0, rows), k_bh.middleRows(j0, cols), capped);
+        options.add_scores(s, q_bh.middleRows(i0, rows), k_bh.middleRows(j0, cols), mine.capped);
         // pass 2: online softmax, one row at a time
         for (Index r = 0; r < rows; ++r) {
           auto score_row = s.row(r);
@@ -235,8 +234,7 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
             }
             const auto q_blk = q_bh.middleRows(i0, rows);
             const auto grad_out_blk = grad_out_bh.middleRows(i0, rows);
-            auto capped = mine.capped.topLeftCorner(rows, cols);
-            options.add_scores(probs, q_blk, k_blk, capped);
+            options.add_scores(probs, q_blk, k_blk, mine.capped);
             // P = exp(S - lse), exactly 0 where blocked and in rows that saw no key
             for (Index r = 0; r < rows; ++r) {
               auto row = probs.row(r);
@@ -261,7 +259,7 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
             }
             grad_scores.array() = probs.array() * (grad_scores.array().colwise() -
                                                    mine.row_dot.segment(i0, rows).array());
-            options.softcap_backward(grad_scores, capped);
+            options.softcap_backward(grad_scores, mine.capped);
             grad_q_bh.middleRows(i0, rows).noalias() += options.scale * (grad_scores * k_blk);
             grad_k_blk.noalias() += options.scale * (grad_scores.transpose() * q_blk);
           }
