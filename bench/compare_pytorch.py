@@ -7,7 +7,8 @@ Usage (Debian's python3-torch, so /usr/bin/python3, not the python3 first on PAT
     /usr/bin/python3 bench/compare_pytorch.py --mha-bench build/bench/mha_bench \
         [--mode forward|train] [--threads 2] [--kernel auto] [--sweep heads|length|default] \
         [--repeats 5] [--rounds 2] [--json out.json] [--max-seconds-per-config 20] \
-        [--max-length N] [--config B,L,E,H ...] [--no-torch-memory]
+        [--max-length N] [--config B,L,E,H ...] [--no-torch-memory] \
+        [--max-foreign-load 0.1] [--retries N] [--busy-pause 60]
 
 Sweeps (self-attention, L = S):
     default  (B,L,E,H) = (1,128,768,12) (8,128,512,8) (1,1024,512,8) (1,2048,512,8) (1,4096,512,8)
@@ -65,13 +66,19 @@ Guards, so that a sweep stays bounded on a shared machine:
     is killed after --repeats·(max-seconds + 5) + 60 s.
   * mha memory: the child's address space is limited to --mha-mem-fraction (0.75) of MemAvailable,
     so a runaway allocation fails in the child instead of pushing the machine into the OOM killer.
+  * other processes: each row records foreign_load, the CPUs that other processes used on
+    average while its sides were timed (busy time in /proc/stat less this process's and its
+    children's CPU time); above --max-foreign-load the status says so, and with --retries N the
+    configuration is measured again up to N times, keeping the attempt with the least foreign
+    load. With --retries, each attempt first waits, up to --busy-pause seconds, for a 5-second
+    window in which other processes stay under --max-foreign-load.
 The mha side of a torch-skipped configuration is still measured (that is where a tiled kernel's
 advantage shows), and torch is still measured when mha_bench does not register the configuration
 (status "not registered"; --skip-unregistered skips such configurations entirely).
 
 Output: a table (one row per configuration, printed as each finishes) and a final line with the
 command line and the machine; --json writes {"meta": ..., "rows": [...]} after every row, for
-bench/plot.py. Exit status: 0 when every configuration was measured or deliberately skipped;
+bench/plot.py (which charts forward-mode files). Exit status: 0 when every configuration was measured or deliberately skipped;
 1 when a measurement failed (mha_bench crashed or timed out, torch raised); 2 on setup errors
 (mha_bench missing or not executable, torch not importable, bad arguments); 130 on Ctrl-C.
 """
@@ -157,6 +164,51 @@ def cpu_model():
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
+
+
+def busy_cpu_seconds():
+    """CPU seconds that all processes have used since boot (user, nice, system, irq, softirq),
+    from /proc/stat; None when it cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        user, nice, system, _, _, irq, softirq = (int(v) for v in fields[1:8])
+    except (OSError, ValueError):
+        return None
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds():
+    """CPU seconds of this process (every thread) and of the children it has waited for."""
+    return sum(usage.ru_utime + usage.ru_stime for usage in
+               (resource.getrusage(resource.RUSAGE_SELF),
+                resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+class ForeignLoad:
+    """The CPUs that other processes use on average from construction to value()."""
+
+    def __init__(self):
+        self.start = (time.monotonic(), busy_cpu_seconds(), own_cpu_seconds())
+
+    def value(self):
+        wall_start, busy_start, own_start = self.start
+        busy, wall = busy_cpu_seconds(), time.monotonic() - wall_start
+        if busy is None or busy_start is None or wall <= 0:
+            return None
+        return max(0.0, (busy - busy_start - (own_cpu_seconds() - own_start)) / wall)
+
+
+def wait_for_idle(max_load, timeout, window=5.0):
+    """Waits until other processes use at most max_load CPUs over a window, or timeout seconds.
+    Returns the last window's load (None when /proc/stat cannot be read)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        load = ForeignLoad()
+        time.sleep(window)
+        value = load.value()
+        if value is None or value <= max_load or time.monotonic() >= deadline:
+            return value
 
 
 def nproc():
@@ -425,7 +477,7 @@ def measure(args, config, bench, torch, history):
            "torch_gflops": None, "mha_gflops": None, "mha_bench_gflops": None,
            "torch_peak_mib": None, "mha_peak_mib": None, "torch_samples_ms": [],
            "mha_round_medians_ms": [], "torch_status": "pending", "mha_status": "pending",
-           "torch_detail": "", "mha_detail": ""}
+           "torch_detail": "", "mha_detail": "", "foreign_load": None}
 
     registered = name in bench.registered
     if not registered:
@@ -470,6 +522,7 @@ def measure(args, config, bench, torch, history):
 
     mha_timeout = args.repeats * (args.max_seconds_per_config + 5) + 60
     mha_gflops, mha_peaks = [], []
+    load = ForeignLoad()
     for _ in range(args.rounds):
         if torch_side is not None:
             try:
@@ -488,6 +541,7 @@ def measure(args, config, bench, torch, history):
             else:
                 row["mha_status"], row["mha_detail"] = result["status"], result["detail"]
             time.sleep(args.pause)
+    row["foreign_load"] = load.value()
     if train and args.torch_memory and torch_side is not None:
         try:
             peak = torch_side.peak_bytes()
@@ -520,6 +574,8 @@ def measure(args, config, bench, torch, history):
         if status != "ok":
             notes.append(f"{side}: {status}" + (f" ({detail})" if detail and status != "not registered"
                                                  else ""))
+    if row["foreign_load"] is not None and row["foreign_load"] > args.max_foreign_load:
+        notes.append(f"busy: other processes used {row['foreign_load']:.2f} CPUs")
     row["status"] = "; ".join(notes) if notes else "ok"
     row["failed"] = any(row[f"{side}_status"] in ("error", "failed", "timeout")
                         for side in ("torch", "mha"))
@@ -562,10 +618,20 @@ def main():
                         help="seconds to sleep between the torch and mha halves of a round")
     parser.add_argument("--no-torch-memory", dest="torch_memory", action="store_false",
                         help="in train mode, do not measure torch's peak memory (profiler)")
+    parser.add_argument("--max-foreign-load", type=float, default=0.1,
+                        help="CPUs other processes may use on average while a row is timed "
+                             "before the row is marked busy")
+    parser.add_argument("--retries", type=int, default=0,
+                        help="measure a busy row again up to this many times")
+    parser.add_argument("--busy-pause", type=float, default=60.0,
+                        help="most seconds to wait for an idle machine before measuring a busy "
+                             "row again")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.threads < 1 or args.repeats < 1 or args.rounds < 1:
         parser.error("--threads, --repeats and --rounds must be at least 1")
+    if args.retries < 0:
+        parser.error("--retries must not be negative")
     if not re.fullmatch(r"[A-Za-z0-9_.\-]+", args.kernel):
         parser.error(f"--kernel must be a plain name, got {args.kernel!r}")
     if args.max_seconds_per_config <= 0:
@@ -608,6 +674,8 @@ def main():
         "repeats": args.repeats,
         "rounds": args.rounds,
         "max_seconds_per_config": args.max_seconds_per_config,
+        "max_foreign_load": args.max_foreign_load,
+        "retries": args.retries,
         "command": command,
         "mha_bench": os.path.abspath(args.mha_bench),
         "mha_bench_args": args.mha_arg,
@@ -618,7 +686,8 @@ def main():
         "torch_version": torch.__version__,
         "torch_num_threads": torch.get_num_threads(),
         "torch_env": {k: os.environ.get(k) for k in
-                      ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "OMP_WAIT_POLICY")},
+                      ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "OMP_WAIT_POLICY",
+                       "OPENBLAS_CORETYPE", "GLIBC_TUNABLES")},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "mha_bench_context": None,
         "complete": False,
@@ -636,7 +705,23 @@ def main():
     interrupted = False
     try:
         for config in configs:
-            row = measure(args, config, bench, torch, history)
+            attempts = []
+            while True:
+                if args.retries:
+                    wait_for_idle(args.max_foreign_load, args.busy_pause)
+                attempts.append(measure(args, config, bench, torch, history))
+                load = attempts[-1]["foreign_load"]
+                if load is None or load <= args.max_foreign_load or len(attempts) > args.retries:
+                    break
+                print(f"# {table_line(row_cells(attempts[-1], args.mode), columns)}\n"
+                      f"#   busy ({load:.2f} CPUs used by other processes): measuring again when "
+                      f"idle, or in {args.busy_pause:g} s", flush=True)
+            row = min(attempts, key=lambda r: math.inf if r["foreign_load"] is None
+                      else r["foreign_load"])
+            row["attempt_foreign_loads"] = [r["foreign_load"] for r in attempts]
+            for side in ("torch", "mha"):  # the time guards predict from the kept attempt
+                if row[f"{side}_ms"]:
+                    history[side][config] = row[f"{side}_ms"] * 1e-3
             rows.append(row)
             print(table_line(row_cells(row, args.mode), columns), flush=True)
             if args.json:
