@@ -45,6 +45,16 @@ mha::Tensor<T> random_tensor(const Shape& shape, std::uint64_t seed, double scal
   return tensor;
 }
 
+// Random parameters for a layer, biases included (PyTorch initialises them to 0, which would
+// hide them): normal(0, 0.5), one seed per parameter in PyTorch's order from `seed` on.
+template <class T>
+void randomise(mha::MultiHeadAttention<T>& layer, std::uint64_t seed) {
+  for (const auto& name : layer.parameter_names()) {
+    const auto view = layer.parameter(name);
+    layer.set_parameter(name, random_tensor<T>(view.shape(), seed++, 0.5));
+  }
+}
+
 inline std::string flat_index_to_string(Index flat, const Shape& shape) {
   Shape index(shape.size());
   for (std::size_t a = shape.size(); a-- > 0;) {

@@ -18,13 +18,7 @@ using mha::Tensor;
 
 namespace {
 
-template <class T>
-void randomise(MultiHeadAttention<T>& layer, std::uint64_t seed) {
-  for (auto& parameter : layer.parameters()) {
-    const auto values = mha_test::random_tensor<T>(parameter.value.shape(), seed++, 0.5);
-    parameter.value.matrix() = values.matrix();
-  }
-}
+using mha_test::randomise;
 
 // One random configuration: the layer's options, the inputs and the forward options.
 struct Trial {

@@ -16,14 +16,7 @@ using mha::Tensor;
 
 namespace {
 
-// Random parameters, biases included (PyTorch initialises them to 0, which would hide them).
-template <class T>
-void randomise(MultiHeadAttention<T>& layer, std::uint64_t seed) {
-  for (const auto& name : layer.parameter_names()) {
-    const auto view = layer.parameter(name);
-    layer.set_parameter(name, mha_test::random_tensor<T>(view.shape(), seed++, 0.5));
-  }
-}
+using mha_test::randomise;
 
 template <class T>
 MultiHeadAttention<T> random_layer(MultiHeadAttentionConfig config, std::uint64_t seed) {

@@ -102,8 +102,8 @@ struct Dropout {
   }
 };
 
-// What a kernel computes besides q, k, v: the masks (each may be kind none), causal masking
-// over the first causal_cols keys, the scale and dropout.
+// What a kernel computes besides q, k, v: the masks (each may be kind none), causal masking,
+// the window and ALiBi over the first causal_cols keys, the scale, softcap and dropout.
 template <class T>
 struct CoreOptions {
   MaskLayout<T> attn_mask;
