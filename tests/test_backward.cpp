@@ -154,6 +154,73 @@ double relative_error(const mha::TensorView<const T>& actual,
   return scale > 0 ? difference / scale : difference;
 }
 
+// Checks every input and parameter gradient of loss = sum(output ∘ g), g random, against
+// five-point central differences: within 1e-6 relative (norm). With self_attention, query is
+// passed as query, key and value, and its gradient is the sum of the three.
+void check_finite_differences(MultiHeadAttention<double>& layer, Tensor<double>& query,
+                              Tensor<double>& key, Tensor<double>& value,
+                              const mha::ForwardOptions<double>& options, bool self_attention,
+                              std::uint64_t seed) {
+  using T = double;
+  // loss = sum(output ∘ g). With dropout, forward_train draws a seed per call: reseeding
+  // before each call replays the same mask, so the loss is a smooth function to difference.
+  const auto g = mha_test::random_tensor<T>(query.shape(), 7 + seed);
+  mha::SavedForward<T> saved;
+  const auto forward = [&](auto&& input_query) {
+    layer.seed_dropout(99);
+    return self_attention ? layer.forward_train(input_query, options, saved)
+                          : layer.forward_train(input_query, key, value, options, saved);
+  };
+  forward(query);
+  layer.zero_grad();
+  const auto grads = layer.backward(saved, g);
+  REQUIRE(grads.query.flat().allFinite());
+  REQUIRE(grads.key.flat().allFinite());
+  REQUIRE(grads.value.flat().allFinite());
+  const auto loss = [&]() { return forward(query).output.flat().dot(g.flat()); };
+
+  // d loss / d x for each element of x by the five-point central difference
+  //   (8 (f(x+h) - f(x-h)) - (f(x+2h) - f(x-2h))) / 12h,
+  // whose truncation error is of order h^4 = 1e-16 at h = 1e-4, and rounding error of order
+  // 1e-16 / h = 1e-12 relative to the loss. (The three-point rule at h = 1e-6 leaves 1e-10 of
+  // the loss, too much where masks leave a gradient 1e4 times smaller than the loss.)
+  const auto numeric = [&](mha::TensorView<T> x) {
+    Tensor<T> gradient(x.shape());
+    const T h = 1e-4;
+    const auto at = [&](Index i, T shifted) {
+      const T saved_value = x.data()[i];
+      x.data()[i] = shifted;
+      const T result = loss();
+      x.data()[i] = saved_value;
+      return result;
+    };
+    for (Index i = 0; i < x.size(); ++i) {
+      const T x0 = x.data()[i];
+      gradient.data()[i] =
+          (8 * (at(i, x0 + h) - at(i, x0 - h)) - (at(i, x0 + 2 * h) - at(i, x0 - 2 * h))) /
+          (12 * h);
+    }
+    return gradient;
+  };
+  // 1e-6 relative, the issue's bound.
+  constexpr double kBound = 1e-6;
+  if (self_attention) {
+    // One tensor as query, key and value: its gradient is the sum of the three.
+    Tensor<T> total(query.shape());
+    total.flat() = grads.query.flat() + grads.key.flat() + grads.value.flat();
+    CHECK(relative_error<T>(total.view(), numeric(query.view()).view()) < kBound);
+  } else {
+    CHECK(relative_error<T>(grads.query.view(), numeric(query.view()).view()) < kBound);
+    CHECK(relative_error<T>(grads.key.view(), numeric(key.view()).view()) < kBound);
+    CHECK(relative_error<T>(grads.value.view(), numeric(value.view()).view()) < kBound);
+  }
+  for (auto& parameter : layer.parameters()) {
+    INFO(parameter.name);
+    const Tensor<T> analytic(mha::TensorView<const T>(parameter.grad));
+    CHECK(relative_error<T>(analytic.view(), numeric(parameter.value).view()) < kBound);
+  }
+}
+
 }  // namespace
 
 TEST_CASE("gradients equal central finite differences for every option", "[backward]") {
@@ -175,64 +242,61 @@ TEST_CASE("gradients equal central finite differences for every option", "[backw
     options.kernel = trial.kernel;
     std::string description = trial.description;
     random_masks(trial, layer.num_heads(), random, options, description);
+    if (layer.head_dim() >= 2 && random.uniform() < 0.3) {
+      mha::Rope rope;
+      rope.base = 10 + 1000 * random.uniform();
+      rope.layout =
+          random.uniform() < 0.5 ? mha::RopeLayout::rotate_half : mha::RopeLayout::interleaved;
+      rope.rotary_dim =
+          2 *
+          (1 + static_cast<Index>(random.uniform() * static_cast<double>(layer.head_dim() / 2)));
+      rope.position_offset = static_cast<Index>(random.uniform() * 5);
+      options.rope = rope;
+      description +=
+          " rope " +
+          std::string(rope.layout == mha::RopeLayout::interleaved ? "interleaved" : "rotate-half") +
+          " R " + std::to_string(rope.rotary_dim) + " offset " +
+          std::to_string(rope.position_offset);
+    }
     INFO(description);
 
-    // loss = sum(output ∘ g). With dropout, forward_train draws a seed per call: reseeding
-    // before each call replays the same mask, so the loss is a smooth function to difference.
-    const auto g = mha_test::random_tensor<T>(query.shape(), 7 + seed);
-    mha::SavedForward<T> saved;
-    const auto forward = [&](auto&& input_query) {
-      layer.seed_dropout(99);
-      return trial.self_attention ? layer.forward_train(input_query, options, saved)
-                                  : layer.forward_train(input_query, key, value, options, saved);
-    };
-    forward(query);
-    layer.zero_grad();
-    const auto grads = layer.backward(saved, g);
-    REQUIRE(grads.query.flat().allFinite());
-    REQUIRE(grads.key.flat().allFinite());
-    REQUIRE(grads.value.flat().allFinite());
-    const auto loss = [&]() { return forward(query).output.flat().dot(g.flat()); };
+    check_finite_differences(layer, query, key, value, options, trial.self_attention, seed);
+  }
+}
 
-    // d loss / d x for each element of x by the five-point central difference
-    //   (8 (f(x+h) - f(x-h)) - (f(x+2h) - f(x-2h))) / 12h,
-    // whose truncation error is of order h^4 = 1e-16 at h = 1e-4, and rounding error of order
-    // 1e-16 / h = 1e-12 relative to the loss. (The three-point rule at h = 1e-6 leaves 1e-10 of
-    // the loss, too much where masks leave a gradient 1e4 times smaller than the loss.)
-    const auto numeric = [&](mha::TensorView<T> x) {
-      Tensor<T> gradient(x.shape());
-      const T h = 1e-4;
-      const auto at = [&](Index i, T shifted) {
-        const T saved_value = x.data()[i];
-        x.data()[i] = shifted;
-        const T result = loss();
-        x.data()[i] = saved_value;
-        return result;
-      };
-      for (Index i = 0; i < x.size(); ++i) {
-        const T x0 = x.data()[i];
-        gradient.data()[i] =
-            (8 * (at(i, x0 + h) - at(i, x0 - h)) - (at(i, x0 + 2 * h) - at(i, x0 - 2 * h))) /
-            (12 * h);
+// The random trials' heads are at most 3 wide, where both layouts rotate the one pair (0, 1):
+// here D = 6, so rotate-half (0, 3), (1, 4), (2, 5) and interleaved (0, 1), (2, 3), (4, 5)
+// differ, in full and partial (R = 4) rotation, through the packed self-attention path (rotated
+// in the fused buffer) and the separate one, with GQA, bias_k and both alignments.
+TEST_CASE("rotary embeddings' gradients equal finite differences in both layouts",
+          "[backward][rope]") {
+  using T = double;
+  std::uint64_t seed = 500;
+  for (const auto layout : {mha::RopeLayout::rotate_half, mha::RopeLayout::interleaved}) {
+    for (const Index rotary_dim : {0, 4}) {
+      for (const bool self_attention : {true, false}) {
+        MultiHeadAttentionConfig config(12, 2);
+        if (!self_attention) {
+          config = MultiHeadAttentionConfig(24, 4);
+          config.num_kv_heads = 2;
+          config.add_bias_kv = true;
+        }
+        MultiHeadAttention<T> layer(config);
+        randomise(layer, ++seed);
+        const Index L = 4, S = self_attention ? 4 : 6;
+        auto query = mha_test::random_tensor<T>({2, L, layer.embed_dim()}, ++seed);
+        auto key = mha_test::random_tensor<T>({2, S, layer.kdim()}, ++seed);
+        auto value = mha_test::random_tensor<T>({2, S, layer.vdim()}, ++seed);
+        mha::ForwardOptions<T> options;
+        options.need_weights = false;
+        options.is_causal = true;
+        options.causal_alignment =
+            self_attention ? mha::Alignment::top_left : mha::Alignment::bottom_right;
+        options.rope = mha::Rope{100, layout, rotary_dim, 3};
+        INFO("layout " << (layout == mha::RopeLayout::interleaved ? "interleaved" : "rotate-half")
+                       << " R " << rotary_dim << " self " << self_attention);
+        check_finite_differences(layer, query, key, value, options, self_attention, seed);
       }
-      return gradient;
-    };
-    // 1e-6 relative, the issue's bound.
-    constexpr double kBound = 1e-6;
-    if (trial.self_attention) {
-      // One tensor as query, key and value: its gradient is the sum of the three.
-      Tensor<T> total(query.shape());
-      total.flat() = grads.query.flat() + grads.key.flat() + grads.value.flat();
-      CHECK(relative_error<T>(total.view(), numeric(query.view()).view()) < kBound);
-    } else {
-      CHECK(relative_error<T>(grads.query.view(), numeric(query.view()).view()) < kBound);
-      CHECK(relative_error<T>(grads.key.view(), numeric(key.view()).view()) < kBound);
-      CHECK(relative_error<T>(grads.value.view(), numeric(value.view()).view()) < kBound);
-    }
-    for (auto& parameter : layer.parameters()) {
-      INFO(parameter.name);
-      const Tensor<T> analytic(mha::TensorView<const T>(parameter.grad));
-      CHECK(relative_error<T>(analytic.view(), numeric(parameter.value).view()) < kBound);
     }
   }
 }

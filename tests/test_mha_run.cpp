@@ -78,7 +78,8 @@ TEST_CASE("mha_run reproduces PyTorch on a fixture, end to end", "[mha_run]") {
   for (const std::string name :
        {"f32_everything", "f64_unbatched_masks", "gqa_f32_kv2_kdim_vdim_bias_kv_zero_attn_per_head",
         "window_f64_top_left_L_gt_S_bias_kv_zero_attn",
-        "alibi_f64_slopes_cross_bottom_right_per_head", "softcap_f32_unbatched_alibi_window"}) {
+        "alibi_f64_slopes_cross_bottom_right_per_head", "softcap_f32_unbatched_alibi_window",
+        "rope_f64_unbatched_interleaved_partial_alibi_zero_attn"}) {
     INFO(name);
     const Run run = run_tool("'" + fixture(name + ".in.safetensors") + "' '" + out.string() + "'");
     REQUIRE(run.exit_code == 0);
@@ -127,7 +128,7 @@ TEST_CASE("mha_run with grad_output writes PyTorch autograd's gradients, end to 
   for (const std::string name :
        {"grad_f32_everything_flash", "grad_f64_everything_no_bias", "grad_f32_self_basic",
         "gqa_grad_f64_kv3_bias_kv_float_mask_per_head", "softcap_grad_f32_everything_per_head",
-        "window_grad_f64_bottom_right_L_gt_S_zero_attn"}) {
+        "window_grad_f64_bottom_right_L_gt_S_zero_attn", "rope_grad_f32_everything_per_head"}) {
     INFO(name);
     const Run run = run_tool("'" + fixture(name + ".in.safetensors") + "' '" + out.string() + "'");
     REQUIRE(run.exit_code == 0);
@@ -199,6 +200,9 @@ TEST_CASE("mha_run --help documents the contract", "[mha_run]") {
                            "alibi",
                            "alibi_slopes",
                            "softcap",
+                           "rope_base",
+                           "rope_interleaved",
+                           "rope_dim",
                            "i + S - L"}) {
     CHECK(run.out.find(word) != std::string::npos);
   }
@@ -240,7 +244,7 @@ TEST_CASE("mha_run checks metadata num_kv_heads against k_proj_weight", "[mha_ru
   CHECK(run_tool(run_with(packed)).exit_code == 0);
 }
 
-TEST_CASE("mha_run refuses bad window, alignment, ALiBi and softcap metadata",
+TEST_CASE("mha_run refuses bad window, alignment, ALiBi, softcap and rotary metadata",
           "[mha_run][errors]") {
   const fs::path dir = scratch_dir();
   const std::string out = "'" + (dir / "out.safetensors").string() + "'";
@@ -272,6 +276,30 @@ TEST_CASE("mha_run refuses bad window, alignment, ALiBi and softcap metadata",
     }
   }
   refused_with("alibi", "2", "metadata 'alibi': expected \"0\" or \"1\", got \"2\"");
+  for (const std::string value : {"0", "-10", "nan", "inf", "1e999", "ten", ""}) {
+    refused_with("rope_base", value,
+                 "metadata 'rope_base': expected a finite number > 0, got \"" + value + "\"");
+  }
+  // rope_interleaved and rope_dim mean nothing without rope_base.
+  refused_with("rope_interleaved", "1",
+               "metadata 'rope_interleaved': expected absent without rope_base (which switches "
+               "rotary embeddings on), got \"1\"");
+  refused_with("rope_dim", "2", "metadata 'rope_dim': expected absent without rope_base");
+  {
+    auto file = original;  // D = 4
+    file.metadata["rope_base"] = "10000";
+    for (const auto& [value, fragment] : std::vector<std::pair<std::string, std::string>>{
+             {"3", "rope.rotary_dim: must be even and in [0, D = 4] (0 = D), got 3"},
+             {"6", "got 6"},
+             {"0", "metadata 'rope_dim': expected a positive integer, got \"0\""}}) {
+      file.metadata["rope_dim"] = value;
+      INFO("rope_dim = \"" << value << "\"");
+      check_refused(run_with(file), fragment);
+    }
+    file.metadata["rope_dim"] = "2";
+    file.metadata["rope_interleaved"] = "yes";
+    check_refused(run_with(file), "metadata 'rope_interleaved': expected \"0\" or \"1\"");
+  }
   for (const std::string value :
        {"-1", "nan", "inf", "1e999", "1e300", "abc", "", "0x10", " 1", "1.5.2"}) {
     refused_with(
@@ -285,6 +313,7 @@ TEST_CASE("mha_run refuses bad window, alignment, ALiBi and softcap metadata",
                                                         {"window_right", "-1"},
                                                         {"softcap", "0"},
                                                         {"softcap", "2.5e1"},
+                                                        {"rope_base", "1e4"},
                                                         {"alibi", "1"}}) {
     auto file = original;
     file.metadata[key] = value;

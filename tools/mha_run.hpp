@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <optional>
 #include <set>
 #include <string>
 #include <type_traits>
@@ -62,6 +63,13 @@ IN holds:
     softcap: a finite number >= 0 (default 0 = none), e.g. "50": logit soft-capping (Gemma 2),
       each scaled score s = q k / sqrt(D) becomes softcap * tanh(s / softcap) before the masks,
       is_causal, the window and ALiBi apply, on every column including bias_k and zero attention.
+    rope_base: a finite number > 0, e.g. "10000": rotary position embeddings of the projected
+      queries and keys (after the in-projection biases; bias_k and the zero key are not rotated),
+      input key j at position j and query i at c. Absent (the default) means none.
+    rope_interleaved: "0" (default: rotate-half pairs (k, k + R/2), as Hugging Face's Llama and
+      GPT-NeoX) or "1" (pairs (2k, 2k + 1), as GPT-J and Meta's Llama). Needs rope_base.
+    rope_dim: an even positive integer R <= D (default D): only the first R features of each head
+      rotate (partial rotary, GPT-NeoX's rotary_pct). Needs rope_base.
 The dtype of query decides the arithmetic: F32 computes in float, F64 in double. key, value and
 float masks and grad_output must have that dtype too; parameters may be F32, F64, F16 or BF16
 (converted).
@@ -146,24 +154,52 @@ inline Index window_side(const io::SafetensorsFile& file, const std::string& key
   return static_cast<Index>(std::stol(text));  // at most 9 digits: no overflow
 }
 
+// A decimal number under `key`, finite in T, at least `minimum` (above it unless inclusive).
+template <class T>
+T decimal_number(const std::string& key, const std::string& text, double minimum, bool inclusive,
+                 const std::string& expected) {
+  // Decimal notation only: strtod would also take "inf", "nan", hex and leading blanks.
+  const bool decimal = !text.empty() && text.size() <= 64 &&
+                       text.find_first_not_of("0123456789.eE+-") == std::string::npos;
+  char* end = nullptr;
+  const double value = decimal ? std::strtod(text.c_str(), &end) : minimum - 1.0;
+  // Compared before the cast: a double beyond float's range (1e300) would not convert.
+  if (!decimal || end != text.c_str() + text.size() ||
+      !(inclusive ? value >= minimum : value > minimum) ||
+      value > static_cast<double>(std::numeric_limits<T>::max())) {
+    throw ShapeError("metadata '" + key + "': expected " + expected + ", got \"" + text + "\"");
+  }
+  return static_cast<T>(value);
+}
+
 // softcap: a decimal number >= 0, finite in T, "0" (the default) for none.
 template <class T>
 T softcap(const io::SafetensorsFile& file) {
   const auto it = file.metadata.find("softcap");
   if (it == file.metadata.end()) return T(0);
-  const std::string& text = it->second;
-  // Decimal notation only: strtod would also take "inf", "nan", hex and leading blanks.
-  const bool decimal = !text.empty() && text.size() <= 64 &&
-                       text.find_first_not_of("0123456789.eE+-") == std::string::npos;
-  char* end = nullptr;
-  const double value = decimal ? std::strtod(text.c_str(), &end) : -1.0;
-  // Compared before the cast: a double beyond float's range (1e300) would not convert.
-  if (!decimal || end != text.c_str() + text.size() || !(value >= 0.0) ||
-      value > static_cast<double>(std::numeric_limits<T>::max())) {
-    throw ShapeError("metadata 'softcap': expected a finite number >= 0 (0 = none), got \"" + text +
-                     "\"");
+  return decimal_number<T>("softcap", it->second, 0.0, true, "a finite number >= 0 (0 = none)");
+}
+
+// Rotary embeddings: rope_base switches them on; rope_interleaved and rope_dim need it.
+inline std::optional<Rope> rope(const io::SafetensorsFile& file) {
+  const auto base = file.metadata.find("rope_base");
+  if (base == file.metadata.end()) {
+    for (const char* key : {"rope_interleaved", "rope_dim"}) {
+      if (file.metadata.count(key) != 0) {
+        throw ShapeError(std::string("metadata '") + key +
+                         "': expected absent without rope_base (which switches rotary "
+                         "embeddings on), got \"" +
+                         file.metadata.at(key) + "\"");
+      }
+    }
+    return std::nullopt;
   }
-  return static_cast<T>(value);
+  Rope rope;
+  rope.base = decimal_number<double>("rope_base", base->second, 0.0, false, "a finite number > 0");
+  rope.layout =
+      flag(file, "rope_interleaved", false) ? RopeLayout::interleaved : RopeLayout::rotate_half;
+  rope.rotary_dim = positive_integer(file, "rope_dim", false);
+  return rope;
 }
 
 inline Index num_heads(const io::SafetensorsFile& file) {
@@ -249,6 +285,7 @@ io::SafetensorsFile run_as(const io::SafetensorsFile& in) {
   options.window.alignment = options.causal_alignment;
   options.alibi_slopes = alibi<T>(in, layer.num_heads());
   options.softcap = softcap<T>(in);
+  options.rope = rope(in);
   options.kernel = kernel(in);
   options.key_padding_mask = read_mask<T>(in, "key_padding_mask");
   options.attn_mask = read_mask<T>(in, "attn_mask");

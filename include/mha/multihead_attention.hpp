@@ -29,8 +29,10 @@
 // gradients are not: one thread at a time.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -40,6 +42,7 @@
 #include "mha/kernels/gemm.hpp"
 #include "mha/mask.hpp"
 #include "mha/parameters.hpp"
+#include "mha/rotary.hpp"
 #include "mha/tensor.hpp"
 
 namespace mha {
@@ -114,6 +117,10 @@ struct ForwardOptions {
   // Logit soft-capping (Gemma 2): each head's scores become c tanh(q kᵀ / sqrt(D) / c) before
   // masks and biases; 0 = none.
   T softcap = T(0);
+  // Rotary embeddings (see rotary.hpp) of the projected queries and keys, after the biases: input
+  // key j is at position j, query i at c (i, or i + S - L bottom-right, as for ALiBi), both plus
+  // rope->position_offset. bias_k and the zero key are not rotated.
+  std::optional<Rope> rope;
   // Which kernel computes the heads; automatic picks flash unless weights are requested.
   Kernel kernel = Kernel::automatic;
 };
@@ -132,6 +139,7 @@ struct Workspace {
   Matrix<T> qkv, q, k, v;  // projections: fused [B*L, 3E], or q [B*L, E], k and v [B*S', E]
   Matrix<T> attended;      // the heads' outputs side by side, [B*L, E]
   Tensor<T> per_head_weights;
+  detail::RopeTable<T> rope_queries, rope_keys;
   std::vector<detail::KernelScratch<T>> kernel;  // one per thread
 };
 
@@ -409,10 +417,15 @@ class MultiHeadAttention {
       core.dropout = {config_.dropout, dropout_random_.next_u64(), config_.num_heads,
                       plan.query_len, plan.total_keys};
     }
-    saved.query_ = Tensor<T>(query);
+    // Copies into the saved tensors' own storage: the same shapes as last time allocate nothing.
+    const auto keep = [](Tensor<T>& kept, const TensorView<const T>& input) {
+      kept.resize(input.shape());
+      if (input.size() > 0) std::copy(input.data(), input.data() + input.size(), kept.data());
+    };
+    keep(saved.query_, query);
     if (!plan.fused) {
-      saved.key_ = Tensor<T>(key);
-      saved.value_ = Tensor<T>(value);
+      keep(saved.key_, key);
+      keep(saved.value_, value);
     }
     if (plan.kernel == Kernel::flash) {
       saved.logsumexp_.resize({plan.batch, config_.num_heads, plan.query_len});
@@ -501,6 +514,10 @@ class MultiHeadAttention {
         head_layout(grad_q_data, plan.query_len, q_stride),
         kv_head_layout(grad_k_data, plan.total_keys, kv_stride),
         kv_head_layout(grad_v_data, plan.total_keys, kv_stride), core, saved.workspace_.kernel);
+    if (saved.options_.rope) {
+      rotate_queries_and_keys(plan, saved.options_, saved.workspace_, grad_q_data, q_stride,
+                              grad_k_data, kv_stride, true);
+    }
 
     // the projections y = x Wᵀ + b:
     //   grad W += grad_yᵀ x,  grad b += colsum(grad_y),  grad x = grad_y W
@@ -602,6 +619,7 @@ class MultiHeadAttention {
     plan.total_keys =
         plan.key_len + (config_.add_bias_kv ? 1 : 0) + (config_.add_zero_attn ? 1 : 0);
     plan.kernel = detail::resolve_kernel(options.kernel, options.need_weights);
+    if (options.rope) detail::checked_rotary_dim(*options.rope, head_dim());
     // Self-attention without extra key rows projects q, k and v in one [B*L, E] x [E, 3E] GEMM.
     plan.fused = packed_projection() && !config_.add_bias_kv && !config_.add_zero_attn &&
                  query.data() == key.data() && key.data() == value.data() &&
@@ -654,9 +672,9 @@ class MultiHeadAttention {
                    Workspace<T>& workspace, ForwardResult<T>& result, T* logsumexp) const {
     const Index embed = config_.embed_dim, heads = config_.num_heads;
     const Index batch = plan.batch, query_len = plan.query_len, total_keys = plan.total_keys;
-    const T* q_data;
-    const T* k_data;
-    const T* v_data;
+    T* q_data;
+    T* k_data;
+    T* v_data;
     Index q_stride = embed, kv_stride = kv_dim();
     if (plan.fused) {
       // [B*L, 3E]: heads read q, k and v at column offsets 0, E and 2E.
@@ -682,18 +700,22 @@ class MultiHeadAttention {
       v_data = workspace.v.data();
     }
 
+    if (options.rope) {
+      rotate_queries_and_keys(plan, options, workspace, q_data, q_stride, k_data, kv_stride, false);
+    }
+
     // Per-head weights go straight into the result unless they are to be averaged.
     Tensor<T>& per_head_weights = options.need_weights && !options.average_attn_weights
                                       ? result.attn_weights
                                       : workspace.per_head_weights;
     if (options.need_weights) per_head_weights.resize({batch, heads, query_len, total_keys});
     workspace.attended.resize(batch * query_len, embed);
-    detail::attention<T>(plan.kernel, batch, heads, head_layout(q_data, query_len, q_stride),
-                         kv_head_layout(k_data, total_keys, kv_stride),
-                         kv_head_layout(v_data, total_keys, kv_stride),
-                         head_layout(workspace.attended.data(), query_len, embed), core,
-                         options.need_weights ? per_head_weights.data() : nullptr, workspace.kernel,
-                         logsumexp);
+    detail::attention<T>(
+        plan.kernel, batch, heads, head_layout<const T>(q_data, query_len, q_stride),
+        kv_head_layout<const T>(k_data, total_keys, kv_stride),
+        kv_head_layout<const T>(v_data, total_keys, kv_stride),
+        head_layout(workspace.attended.data(), query_len, embed), core,
+        options.need_weights ? per_head_weights.data() : nullptr, workspace.kernel, logsumexp);
 
     result.output.resize(plan.query_shape);
     auto output = result.output.matrix();
@@ -712,6 +734,26 @@ class MultiHeadAttention {
       // Drop the batch axis of size 1: [1, ...] -> [...].
       Shape unbatched(result.attn_weights.shape().begin() + 1, result.attn_weights.shape().end());
       result.attn_weights.reshape(std::move(unbatched));
+    }
+  }
+
+  // Applies options.rope, in place, to the projected queries (rows of `q`, query_len per batch) and
+  // the input keys' rows of `k` (the first key_len of each batch's S'); inverse turns gradients
+  // with respect to the rotated rows into gradients with respect to the unrotated ones.
+  void rotate_queries_and_keys(const Plan& plan, const ForwardOptions<T>& options,
+                               Workspace<T>& workspace, T* q, Index q_stride, T* k, Index kv_stride,
+                               bool inverse) const {
+    const Rope& rope = *options.rope;
+    const Index rotary_dim = detail::checked_rotary_dim(rope, head_dim());
+    const Index query_shift =
+        options.causal_alignment == Alignment::bottom_right ? plan.key_len - plan.query_len : 0;
+    workspace.rope_queries.fill(rope, rotary_dim, query_shift, plan.query_len);
+    workspace.rope_keys.fill(rope, rotary_dim, 0, plan.key_len);
+    for (Index b = 0; b < plan.batch; ++b) {
+      detail::rotate_heads(q + b * plan.query_len * q_stride, plan.query_len, q_stride,
+                           config_.num_heads, head_dim(), workspace.rope_queries, inverse);
+      detail::rotate_heads(k + b * plan.total_keys * kv_stride, plan.key_len, kv_stride,
+                           num_kv_heads(), head_dim(), workspace.rope_keys, inverse);
     }
   }
 

@@ -3,6 +3,7 @@
 
   /usr/bin/python3 tests/reference/check_mha_run.py --mha-run PATH/TO/mha_run [--count 200] [--seed 1]
                                                    [--grad-share 0.5] [--gqa-share 0.3] [--modern-share 0.3]
+                                                   [--rope-share 0.2]
       Generates COUNT random configurations with generate.py (random shapes and options, float32 and
       float64), runs `mha_run case.in.safetensors out.safetensors` on each and compares `output` and
       `attn_weights` with torch's: |a - b| <= atol + rtol * |b| (float32: rtol 1.3e-6, atol 1e-5, torch.testing.assert_close's defaults;
@@ -20,6 +21,9 @@
       tensor) and softcap, at least one of them (generate.modern_variant). Their expected values
       come from generate.written_out_mha too, checked in every run against torch's module with the
       masks folded into attn_mask (where there is no softcap) and against generate.naive_mha.
+      Another share (--rope-share, default 0.2, from a stream of its own) get rotary embeddings
+      (generate.rope_variant: base, layout and rotary_dim drawn; cases with D < 2 stay without),
+      checked the same way against generate.naive_mha.
       A share of the cases (--grad-share, default 0.5; 0 turns gradients off; the choice comes from
       its own random stream, so --seed K gives the same configurations whatever the share) also get
       a random `grad_output` in IN, and a third of those without weights metadata kernel=reference.
@@ -184,11 +188,14 @@ def modern_kinds(spec):
         kinds.append("alibi=" + spec.alibi)
     if spec.softcap:
         kinds.append("softcap > 0")
+    if spec.rope is not None:
+        kinds.append("rope " + ("interleaved" if spec.rope[1] else "rotate-half") +
+                     ("" if spec.rope[2] is None else " partial"))
     return kinds
 
 
 def run_random(args, work_dir):
-    specs = gen.random_specs(args.count, args.seed, args.gqa_share, args.modern_share)
+    specs = gen.random_specs(args.count, args.seed, args.gqa_share, args.modern_share, args.rope_share)
     select_gradients(specs, args.seed, args.grad_share)
     passed = failed = 0
     with_grad = 0
@@ -462,6 +469,8 @@ def main(argv=None):
     ap.add_argument("--modern-share", type=float, default=0.3, metavar="P",
                     help="share of the random cases given a window, causal alignment, ALiBi or softcap "
                          "(default: %(default)s)")
+    ap.add_argument("--rope-share", type=float, default=0.2, metavar="P",
+                    help="share of the random cases given rotary embeddings (default: %(default)s)")
     ap.add_argument("--malformed", action="store_true", help="check malformed inputs instead")
     ap.add_argument("--cases-dir", metavar="DIR", help="check existing NAME.in/NAME.expected pairs in DIR instead")
     ap.add_argument("--keep", metavar="DIR", help="write the cases and outputs to DIR and keep them")
@@ -474,6 +483,8 @@ def main(argv=None):
         ap.error(f"--gqa-share must be in [0, 1], got {args.gqa_share}")
     if not 0.0 <= args.modern_share <= 1.0:
         ap.error(f"--modern-share must be in [0, 1], got {args.modern_share}")
+    if not 0.0 <= args.rope_share <= 1.0:
+        ap.error(f"--rope-share must be in [0, 1], got {args.rope_share}")
     if not (os.path.isfile(args.mha_run) and os.access(args.mha_run, os.X_OK)):
         ap.error(f"not an executable file: {args.mha_run}")
     args.mha_run = os.path.abspath(args.mha_run)

@@ -1,6 +1,7 @@
 #!/usr/bin/python3
 """Reference fixtures for mha, computed by real torch.nn.MultiheadAttention (grouped-query attention,
-windows, causal alignment, ALiBi and softcap by torch written out, checked against the module).
+windows, causal alignment, ALiBi, softcap and rotary embeddings by torch written out, checked against
+the module where it can express them and against a second writing out).
 
 For every case NAME two safetensors files are written:
 
@@ -10,7 +11,8 @@ For every case NAME two safetensors files are written:
                              (and kernel in a few cases; num_kv_heads in the gqa_* cases;
                              causal_alignment, window_left / window_right, alibi, softcap in
                              the window_*, alibi_*, softcap_* cases, some with an
-                             alibi_slopes tensor).
+                             alibi_slopes tensor; rope_base, rope_interleaved, rope_dim
+                             in the rope_* cases).
                              Gradient cases (grad_*, gqa_grad_*) also hold grad_output, the
                              shape of output.
   NAME.expected.safetensors  `output` and (need_weights=1) `attn_weights` as returned by torch,
@@ -119,6 +121,18 @@ gradients; random cases made so by --modern-share, from a stream of their own):
     or a narrow window) are avoided as fully masked rows are (_draw_masks), unless bias_k or the zero
     key keeps them non-empty (some fixtures are built around that).
   * Keys are added to the metadata only of these cases: the others are byte for byte what they were.
+
+Rotary embeddings (the rope_* cases, rope_grad_* with gradients; random cases made so by --rope-share):
+
+  * Metadata rope_base, rope_interleaved ("1": pairs (2k, 2k + 1), GPT-J; "0": rotate-half pairs
+    (k, k + R/2), Hugging Face's Llama) and rope_dim R (absent: all D features of a head). After the
+    in-projection biases, query i is rotated at position c (as above) and input key j at j, by the
+    angles p * base^(-2k / R), computed in float64 with their cos and sin rounded to the case's dtype
+    (rope_rotate); bias_k and the zero key are not rotated.
+  * written_out_mha rotates as Hugging Face's apply_rotary_pos_emb / GPT-J's rotate_every_two do;
+    naive_mha a second way, per head as complex multiplication (Meta's Llama). Torch's module cannot
+    express the rotation, so these cases are checked against naive_mha only (in float64, 1e-12 of
+    scale), which a flipped sign or a shifted position fails by several units.
 """
 
 import argparse
@@ -246,7 +260,8 @@ class Spec:
                  vdim=None, bias=True, add_bias_kv=False, add_zero_attn=False, self_attn=False,
                  attn_mask=None, attn_inf=False, kpm=None, kpm_inf=False, is_causal=False,
                  need_weights=True, average=True, meta="full", seed=None, kernel=None, grad=False,
-                 num_kv_heads=None, causal_alignment=None, window=None, alibi=None, softcap=None):
+                 num_kv_heads=None, causal_alignment=None, window=None, alibi=None, softcap=None,
+                 rope=None):
         assert dtype in ("f32", "f64")
         assert attn_mask in (None, "bool2d", "bool3d", "float2d", "float3d")
         assert kpm in (None, "bool", "float")
@@ -282,12 +297,26 @@ class Spec:
         self.causal_alignment, self.alibi, self.softcap = causal_alignment, alibi, softcap
         self.window = None if window is None else (int(window[0]), int(window[1]))
         self.slopes = None  # the ALiBi slopes [H] once build_case has drawn them
+        # Rotary embeddings: None, or (base, interleaved, rotary_dim or None for all D).
+        if rope is not None:
+            base, interleaved, rotary_dim = rope
+            D = E // H
+            assert base > 0 and (rotary_dim is None or (rotary_dim % 2 == 0 and 0 < rotary_dim <= D)), name
+            assert rotary_dim is not None or D % 2 == 0, name
+            rope = (float(base), bool(interleaved), rotary_dim)
+        self.rope = rope
 
     @property
     def modern(self):
         """Sets a window, causal alignment, ALiBi or softcap: computed by written_out_mha."""
         return (self.causal_alignment is not None or self.window is not None or self.alibi is not None
-                or self.softcap is not None)
+                or self.softcap is not None or self.rope is not None)
+
+    @property
+    def foldable(self):
+        """Whether torch's module can compute the case with everything folded into attn_mask: not with
+        softcap or rotary embeddings, which change the scores themselves."""
+        return not self.softcap and self.rope is None
 
     @property
     def bottom_right(self):
@@ -317,6 +346,12 @@ class Spec:
             modern["alibi"] = "1"  # "tensor": an alibi_slopes tensor in IN instead
         if self.softcap is not None:
             modern["softcap"] = repr(float(self.softcap))
+        if self.rope is not None:
+            base, interleaved, rotary_dim = self.rope
+            modern["rope_base"] = repr(base)
+            modern["rope_interleaved"] = "1" if interleaved else "0"
+            if rotary_dim is not None:
+                modern["rope_dim"] = str(rotary_dim)
         full.update(modern)
         if self.meta == "full":
             return full
@@ -351,6 +386,10 @@ class Spec:
             parts.append("alibi=" + self.alibi)
         if self.softcap is not None:
             parts.append(f"softcap={self.softcap:g}")
+        if self.rope is not None:
+            base, interleaved, rotary_dim = self.rope
+            parts.append(f"rope(base={base:g}{',interleaved' if interleaved else ''}"
+                         f"{'' if rotary_dim is None else ',dim=' + str(rotary_dim)})")
         if not self.need_weights:
             parts.append("no-weights")
         elif not self.average:
@@ -490,7 +529,7 @@ def _torch_masks(spec, attn_mask, kpm, tdt):
         # Windows, bottom-right alignment and ALiBi are no options of torch's module: everything is
         # handed to it as one float attn_mask [B*H, L, S] ([H, L, S] unbatched), the 2.x merge of
         # _additive_mask. (Softcap cannot be: those cases are never run through the module.)
-        assert not spec.softcap, spec.name
+        assert spec.foldable, spec.name
         total = _additive_mask(spec, attn_mask, kpm, tdt)
         if total is None:
             return None, None
@@ -577,7 +616,7 @@ def written_out_mha(spec, p, query, key, value, attn_mask, kpm):
     step, in their sequence-first layout (the products' rounding depends on it), so that for H_kv = H
     it agrees with the module to rounding; build_case checks that on every non-GQA case. Steps:
     project, append bias_k / bias_v, split heads, append the zero key/value, repeat the key/value
-    heads, scores = (q / sqrt(D)) k^T + the merged mask (zero for the extra columns), softmax,
+    heads (rotary embeddings after the projection, rope_rotate), scores = (q / sqrt(D)) k^T + the merged mask (zero for the extra columns), softmax,
     weights @ v, merge heads, out_proj; weights summed over heads / H when averaged. With softcap c,
     the scores are c * tanh(scores / c) before the merged mask (which holds the window, the causal
     alignment and ALiBi, see _additive_mask) is added."""
@@ -605,6 +644,10 @@ def written_out_mha(spec, p, query, key, value, attn_mask, kpm):
         q = F.linear(query, w_q, b_q)  # [L, B, E]
         k = F.linear(key, w_k, b_k)    # [S, B, H_kv*D]
         v = F.linear(value, w_v, b_v)  # [S, B, H_kv*D]
+    if spec.rope is not None:  # after the biases, on the input keys only
+        c, _ = _diagonal(spec)
+        q = rope_rotate(spec, q, c[:, 0], H)
+        k = rope_rotate(spec, k, np.arange(spec.S), H_kv)
     if spec.add_bias_kv:
         k = torch.cat([k, p["bias_k"].repeat(1, B, 1)])  # [S + 1, B, H_kv*D]
         v = torch.cat([v, p["bias_v"].repeat(1, B, 1)])
@@ -647,6 +690,50 @@ def written_out_mha(spec, p, query, key, value, attn_mask, kpm):
     else:
         out = out.transpose(1, 0)
     return out, (weights if spec.need_weights else None)
+
+
+def rope_rotate(spec, x, positions, heads):
+    """Rotary embeddings as Hugging Face's Llama (rotate_half: apply_rotary_pos_emb) or GPT-J
+    (interleaved: rotate_every_two) apply them: x [N, B, heads*D] in torch's sequence-first layout,
+    row n at positions[n]. The angles p * base^(-2k/R) in float64, their cos and sin rounded to x's
+    dtype, as mha computes them; features R .. D - 1 pass through."""
+    base, interleaved, rotary_dim = spec.rope
+    N, B, W = x.shape
+    D = W // heads
+    R = D if rotary_dim is None else rotary_dim
+    x = x.reshape(N, B, heads, D)
+    inv_freq = 1.0 / (base ** (torch.arange(0, R, 2, dtype=torch.float64) / R))
+    freqs = torch.as_tensor(np.asarray(positions), dtype=torch.float64)[:, None] * inv_freq[None]
+    emb = freqs.repeat_interleave(2, dim=-1) if interleaved else torch.cat([freqs, freqs], dim=-1)
+    cos = emb.cos().to(x.dtype)[:, None, None, :]
+    sin = emb.sin().to(x.dtype)[:, None, None, :]
+    xr, rest = x[..., :R], x[..., R:]
+    if interleaved:
+        rotated = torch.stack((-xr[..., 1::2], xr[..., 0::2]), dim=-1).flatten(-2)
+    else:
+        rotated = torch.cat((-xr[..., R // 2:], xr[..., :R // 2]), dim=-1)
+    return torch.cat([xr * cos + rotated * sin, rest], dim=-1).reshape(N, B, W)
+
+
+def naive_rope(spec, x, positions):
+    """A second writing out of the rotation, one head [N, D] at a time, as complex multiplication
+    (Meta's Llama): the feature pairs as complex numbers times exp(i p θ_k), in float64."""
+    base, interleaved, rotary_dim = spec.rope
+    D = x.shape[-1]
+    R = D if rotary_dim is None else rotary_dim
+    theta = base ** (-2.0 * torch.arange(R // 2, dtype=torch.float64) / R)
+    turn = torch.polar(torch.ones(len(positions), R // 2, dtype=torch.float64),
+                       torch.as_tensor(np.asarray(positions), dtype=torch.float64)[:, None] * theta)
+    if interleaved:
+        a, b = x[:, 0:R:2], x[:, 1:R:2]
+    else:
+        a, b = x[:, :R // 2], x[:, R // 2:R]
+    z = torch.complex(a, b) * turn
+    if interleaved:
+        rotated = torch.stack((z.real, z.imag), dim=-1).flatten(-2)
+    else:
+        rotated = torch.cat((z.real, z.imag), dim=-1)
+    return torch.cat([rotated, x[:, R:]], dim=-1)
 
 
 def _leaves(spec, query, key, value):
@@ -823,6 +910,8 @@ def naive_mha(spec, p, query, key, value, attn_mask, kpm):
     s_prime = k.shape[1]
     shift = S - L if spec.bottom_right else 0
 
+    positions_q = np.arange(L) + shift
+
     def score_bias(bb, h, i, j):  # what the masks and biases add to score (i, j) of head h
         if j >= S:
             return 0.0
@@ -849,7 +938,11 @@ def naive_mha(spec, p, query, key, value, attn_mask, kpm):
         out_b, w_b = [], []
         for h in range(H):
             g = h // group
-            s = q[bb, :, h * D:(h + 1) * D] @ k[bb, :, g * D:(g + 1) * D].T / math.sqrt(D)
+            q_h, k_h = q[bb, :, h * D:(h + 1) * D], k[bb, :, g * D:(g + 1) * D]
+            if spec.rope is not None:  # the input keys' rows only
+                q_h = naive_rope(spec, q_h, positions_q)
+                k_h = torch.cat([naive_rope(spec, k_h[:S], np.arange(S)), k_h[S:]])
+            s = q_h @ k_h.T / math.sqrt(D)
             if spec.softcap:
                 s = spec.softcap * torch.tanh(s / spec.softcap)
             bias = torch.tensor([[score_bias(bb, h, i, j) for j in range(s_prime)] for i in range(L)],
@@ -937,9 +1030,9 @@ def build_case(spec, cross_check=True):
     run = (query, key, value, attn_mask, kpm, grad_output)
     if spec.gqa or spec.modern:
         expected = _run_written_out(spec, params, *run, fdt)
-        if cross_check and spec.gqa and not spec.softcap:
+        if cross_check and spec.gqa and spec.foldable:
             _expansion_check(spec, params, run)
-        elif cross_check and not spec.softcap:
+        elif cross_check and spec.foldable:
             _cross_check(spec, _run_torch(spec, mha, params, *run, fdt, tdt), expected,
                          check="torch's module, modern options by folded masks")
         if cross_check and spec.modern:
@@ -1394,6 +1487,51 @@ def modern_cases():
     ]
 
 
+def rope_cases():
+    """Rotary embeddings (rope_*; rope_grad_* with gradients), alone and with the other options:
+    computed by written_out_mha and checked against naive_mha (see build_case)."""
+    def C(name, description, **kw):
+        return Spec(name, description, **kw)
+
+    def G(name, description, **kw):
+        return Spec(name, description, grad=True, **kw)
+    llama = (10000.0, False, None)
+    return [
+        C("rope_f32_rotate_half_self_causal", "rotate-half (Llama), base 10000, D=8, self-attention, is_causal",
+          dtype="f32", B=2, L=6, E=16, H=2, self_attn=True, is_causal=True, rope=llama),
+        C("rope_f64_interleaved_cross_bottom_right_per_head", "interleaved (GPT-J), base 500, D=6, L < S "
+          "bottom-right (queries at i + S - L), per-head weights",
+          dtype="f64", B=2, L=3, S=7, E=12, H=2, rope=(500.0, True, None), causal_alignment="bottom_right",
+          average=False),
+        C("rope_f32_partial_gqa_window_bias_kv", "rope_dim 4 of D=8, H_kv=2 of H=4, is_causal + window (3, 0), "
+          "add_bias_kv (bias_k not rotated)",
+          dtype="f32", B=2, L=5, S=5, E=32, H=4, num_kv_heads=2, rope=(10000.0, False, 4), is_causal=True,
+          window=(3, 0), add_bias_kv=True),
+        C("rope_f64_unbatched_interleaved_partial_alibi_zero_attn", "unbatched, interleaved rope_dim 2 of D=4, "
+          "base 100, ALiBi paper, add_zero_attn, L > S top-left",
+          dtype="f64", B=None, L=5, S=4, E=8, H=2, rope=(100.0, True, 2), alibi="paper", add_zero_attn=True),
+        C("rope_f32_minimal_long_positions", "minimal metadata, L=S=40 (angles up to 39 rad), base 10000, "
+          "kpm bool",
+          dtype="f32", B=1, L=40, E=8, H=2, rope=llama, kpm="bool", meta="minimal"),
+        G("rope_grad_f32_self_causal_tiles_flash", "L=70 (several flash blocks), self-attention, is_causal, "
+          "rotate-half, need_weights=0",
+          dtype="f32", B=2, L=70, E=8, H=2, self_attn=True, is_causal=True, rope=llama, need_weights=False),
+        G("rope_grad_f64_mqa_interleaved_partial_bottom_right_reference", "H_kv=1 of H=4, interleaved "
+          "rope_dim 4 of D=6, bottom-right L < S, bool kpm, need_weights=0, kernel=reference",
+          dtype="f64", B=2, L=3, S=6, E=24, H=4, num_kv_heads=1, rope=(10000.0, True, 4),
+          causal_alignment="bottom_right", kpm="bool", need_weights=False, kernel="reference"),
+        G("rope_grad_f32_everything_per_head", "rotate-half base 1000, kdim/vdim, bias_kv, zero_attn, softcap 2, "
+          "window (2, 1), ALiBi tensor, float attn_mask [L,S], per head",
+          dtype="f32", B=2, L=5, S=6, E=12, H=3, kdim=7, vdim=5, rope=(1000.0, False, None),
+          add_bias_kv=True, add_zero_attn=True, softcap=2.0, window=(2, 1), alibi="tensor",
+          attn_mask="float2d", average=False),
+        G("rope_grad_f64_self_gqa_bias_free", "self-attention, H_kv=2 of H=4, bias=False, rotate-half, "
+          "is_causal bottom-right (L = S)",
+          dtype="f64", B=2, L=5, E=16, H=4, num_kv_heads=2, self_attn=True, bias=False, rope=llama,
+          is_causal=True, causal_alignment="bottom_right"),
+    ]
+
+
 # ----------------------------------------------------------------------------------------------
 # random configurations (out-of-sample checks)
 
@@ -1471,10 +1609,31 @@ _GQA_STREAM = 0x67716120
 _MODERN_STREAM = 0x6D6F646E
 
 
-def random_specs(count, seed, gqa_share=0.0, modern_share=0.0):
+# And for rotary embeddings (ASCII "rope").
+_ROPE_STREAM = 0x726F7065
+
+
+def rope_variant(spec, rng):
+    """spec with rotary embeddings: base 10, 100 or 10000, either layout, all D features (D even) or an
+    even rotary_dim R <= D. None where D < 2 (nothing to rotate). The same draws whatever D is."""
+    D = spec.E // spec.H
+    base = float(rng.choice([10.0, 100.0, 10000.0]))
+    interleaved = bool(rng.random() < 0.5)
+    whole = bool(rng.random() < 0.5)
+    pairs = 1 + int(rng.random() * (D // 2)) if D >= 2 else 0
+    if D < 2:
+        return None
+    r = copy.copy(spec)
+    r.rope = (base, interleaved, None if whole and D % 2 == 0 else 2 * pairs)
+    r.description = "random configuration: " + r.summary()
+    return r
+
+
+def random_specs(count, seed, gqa_share=0.0, modern_share=0.0, rope_share=0.0):
     rng = np.random.default_rng(seed)
     gqa_rng = np.random.default_rng([seed, _GQA_STREAM])
     modern_rng = np.random.default_rng([seed, _MODERN_STREAM])
+    rope_rng = np.random.default_rng([seed, _ROPE_STREAM])
     specs = []
     for i in range(count):
         while True:
@@ -1498,6 +1657,8 @@ def random_specs(count, seed, gqa_share=0.0, modern_share=0.0):
                 s = m
             except RuntimeError:
                 pass  # the window or alignment leaves a row without keys: keep the configuration
+        if rope_rng.random() < rope_share:
+            s = rope_variant(s, rope_rng) or s
         specs.append(s)
     return specs
 
@@ -1515,12 +1676,14 @@ def main(argv=None):
     ap.add_argument("--modern-share", type=float, default=0.3, metavar="P",
                     help="share of the --random cases given a window, causal alignment, ALiBi or softcap "
                          "(default: %(default)s)")
+    ap.add_argument("--rope-share", type=float, default=0.2, metavar="P",
+                    help="share of the --random cases given rotary embeddings (default: %(default)s)")
     ap.add_argument("--only", metavar="PREFIX", action="append",
                     help="write only the committed cases whose name starts with PREFIX (repeatable)")
     args = ap.parse_args(argv)
 
-    specs = random_specs(args.random, args.seed, args.gqa_share, args.modern_share) \
-        if args.random is not None else fixed_cases() + gradient_cases() + gqa_cases() + modern_cases()
+    specs = random_specs(args.random, args.seed, args.gqa_share, args.modern_share, args.rope_share) \
+        if args.random is not None else fixed_cases() + gradient_cases() + gqa_cases() + modern_cases() + rope_cases()
     if args.only:
         specs = [s for s in specs if any(s.name.startswith(p) for p in args.only)]
     names = [s.name for s in specs]
