@@ -184,6 +184,93 @@ void sdpa(benchmark::State& state, mha::Kernel kernel) {
   set_flops(state, static_cast<double>(B) * 4 * n * n * e);
 }
 
+// Causal sliding-window attention alone (scaled_dot_product_attention, flash kernel), B = 1,
+// H = 8, D = 64, L = range(0), each query seeing the range(1) keys before it and itself (window
+// left = w, -1 for full causal attention). The kernel skips key blocks wholly outside the window,
+// so time should grow as L·w, not L². GFLOPS counts the visible (query, key) pairs only, 4·D
+// FLOPs per pair and head (q·k and the weighted sum of v): a constant GFLOPS across w means a cost
+// proportional to the work the window leaves.
+void window(benchmark::State& state) {
+  const mha::Index L = state.range(0), w = state.range(1), H = 8, D = 64;
+  const auto q = random_tensor({1, H, L, D}, 1), k = random_tensor({1, H, L, D}, 2),
+             v = random_tensor({1, H, L, D}, 3);
+  mha::AttentionOptions<float> options;
+  options.kernel = mha::Kernel::flash;
+  options.causal = mha::Causal::top_left;
+  options.window = mha::Window{w, 0};
+  for (auto _ : state) {
+    auto result = mha::scaled_dot_product_attention(q, k, v, options);
+    benchmark::DoNotOptimize(result.output.data());
+  }
+  // Query i sees min(i, w) + 1 keys (i + 1 without a window).
+  const double n = static_cast<double>(L);
+  const double reach = w < 0 ? n : static_cast<double>(w);
+  const double pairs =
+      w < 0 || w >= L ? n * (n + 1) / 2 : n * (reach + 1) - reach * (reach + 1) / 2;
+  state.counters["visible_pairs_M"] = pairs * 1e-6;
+  set_flops(state, 4.0 * static_cast<double>(H * D) * pairs);
+}
+
+// A self-attention layer (E = 2048, H = 16, D = 128, like a small Llama) decoding one token for
+// each of B = range(0) sequences, with context = range(2) tokens in its KV cache, H_kv =
+// range(1). Each iteration is one decode step followed by a rewind, so the context stays the same;
+// tokens_per_second counts B tokens per step. A step reads every weight once (W_q and W_o are
+// E², W_k and W_v H_kv·D·E each) and the cached keys and values (2·context·H_kv·D per sequence):
+// grouped-query attention shrinks both, and the cache's share grows with the context.
+void decode(benchmark::State& state) {
+  const mha::Index B = state.range(0), kv_heads = state.range(1), context = state.range(2);
+  const mha::Index E = 2048, H = 16;
+  mha::MultiHeadAttentionConfig config(E, H);
+  config.num_kv_heads = kv_heads;
+  const mha::MultiHeadAttention<float> layer(config);
+  auto cache = layer.make_kv_cache(B, context + 1);
+  const auto options = mha::MultiHeadAttention<float>::decode_options();
+  layer.decode(random_tensor({B, context, E}, 1), cache, options);  // the prompt, untimed
+  const auto token = random_tensor({B, 1, E}, 2);
+  for (auto _ : state) {
+    auto result = layer.decode(token, cache, options);
+    benchmark::DoNotOptimize(result.output.data());
+    for (mha::Index b = 0; b < B; ++b) cache.rewind(b, context);
+  }
+  state.counters["tokens_per_second"] =
+      benchmark::Counter(static_cast<double>(B), benchmark::Counter::kIsIterationInvariantRate);
+  const double d = static_cast<double>(E / H), e = static_cast<double>(E);
+  const double kv = static_cast<double>(kv_heads) * d;
+  state.counters["weights_MiB"] = 4.0 * (2 * e * e + 2 * kv * e) / (1024.0 * 1024.0);
+  state.counters["cache_MiB"] =
+      4.0 * static_cast<double>(B) * 2 * static_cast<double>(context) * kv / (1024.0 * 1024.0);
+}
+
+// The same layer (H_kv = range(1)) taking a prompt of range(0) tokens, B = 1: all at once (one
+// decode step of n tokens, "prefill"), or token by token (n steps of one). tokens_per_second
+// compares the two: a prefill step multiplies matrices, a one-token step multiplies vectors and
+// is bound by reading the weights.
+void prefill(benchmark::State& state, bool token_by_token) {
+  const mha::Index n = state.range(0), kv_heads = state.range(1), E = 2048, H = 16;
+  mha::MultiHeadAttentionConfig config(E, H);
+  config.num_kv_heads = kv_heads;
+  const mha::MultiHeadAttention<float> layer(config);
+  auto cache = layer.make_kv_cache(1, n);
+  const auto options = mha::MultiHeadAttention<float>::decode_options();
+  const auto prompt = random_tensor({1, n, E}, 1);
+  std::vector<mha::Tensor<float>> tokens;
+  for (mha::Index i = 0; i < n && token_by_token; ++i) {
+    tokens.push_back(random_tensor({1, 1, E}, 10 + static_cast<std::uint64_t>(i)));
+  }
+  for (auto _ : state) {
+    cache.clear();
+    if (token_by_token) {
+      for (const auto& token : tokens) {
+        benchmark::DoNotOptimize(layer.decode(token, cache, options).output.data());
+      }
+    } else {
+      benchmark::DoNotOptimize(layer.decode(prompt, cache, options).output.data());
+    }
+  }
+  state.counters["tokens_per_second"] =
+      benchmark::Counter(static_cast<double>(n), benchmark::Counter::kIsIterationInvariantRate);
+}
+
 void gemm(benchmark::State& state) {
   const mha::Index n = state.range(0);
   const mha::Matrix<float> a = random_tensor({n, n}, 1).matrix(),
@@ -270,6 +357,26 @@ BENCHMARK_CAPTURE(sdpa, reference, mha::Kernel::reference)
     ->Name("sdpa/reference")
     ->Apply(default_shapes);
 BENCHMARK_CAPTURE(sdpa, flash, mha::Kernel::flash)->Name("sdpa/flash")->Apply(default_shapes);
+BENCHMARK(window)
+    ->Name("window/flash")
+    ->ArgNames({"L", "w"})
+    ->ArgsProduct({{16384}, {-1, 8192, 2048, 512, 128}})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(decode)
+    ->Name("decode")
+    ->ArgNames({"B", "H_kv", "context"})
+    ->ArgsProduct({{1, 8}, {16, 8, 4, 2, 1}, {2048}})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(prefill, prefill, false)
+    ->Name("prefill/all_at_once")
+    ->ArgNames({"n", "H_kv"})
+    ->ArgsProduct({{512}, {16, 4}})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(prefill, token_by_token, true)
+    ->Name("prefill/token_by_token")
+    ->ArgNames({"n", "H_kv"})
+    ->ArgsProduct({{512}, {16, 4}})
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(gemm)->Name("gemm")->ArgName("N")->Arg(512)->Arg(1024)->Unit(benchmark::kMillisecond);
 
 BENCHMARK_MAIN();

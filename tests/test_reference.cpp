@@ -257,6 +257,10 @@ TEST_CASE("the flash kernel's outputs equal PyTorch's on every reference fixture
 // float fixtures compare with torch's float32 results, whose own rounding the float tolerance must
 // absorb. This measures the library's float rounding alone, at a tighter tolerance: the same
 // inputs computed in double (the path the float64 fixtures pin to torch at 1e-11) are the truth.
+// The absolute part is 1e-6 of the tensor's scale max(1, max|exact|): an element's rounding comes
+// from the terms summed into it, which grow with the scale (on rope_f32_partial_gqa_window_bias_kv,
+// whose outputs reach 24, an element of 0.038 is 1.7e-6 off, 7e-8 of the scale; over the 74
+// float fixtures the largest error is 4e-7 of the scale).
 TEST_CASE("float results are within float rounding of the same inputs computed in double",
           "[reference]") {
   for (const auto& name : fixture_names()) {
@@ -273,8 +277,11 @@ TEST_CASE("float results are within float rounding of the same inputs computed i
     const auto exact = mha::tools::run_multihead_attention(widened);
     for (const auto& entry : exact.tensors) {
       INFO("tensor " << entry.first);
+      const auto truth = mha::io::to_tensor<double>(entry.second, entry.first);
+      const double scale =
+          std::max(1.0, truth.size() > 0 ? truth.flat().cwiseAbs().maxCoeff() : 0.0);
       CHECK_TENSORS_CLOSE_TOL(mha::io::to_tensor<double>(single.at(entry.first), entry.first),
-                              mha::io::to_tensor<double>(entry.second, entry.first), 1e-5, 1e-6);
+                              truth, 1e-5, 1e-6 * scale);
     }
   }
 }

@@ -10,6 +10,7 @@
 #include "mha/errors.hpp"
 #include "mha/heads.hpp"
 #include "mha/init.hpp"
+#include "mha/kv_cache.hpp"
 #include "mha/mask.hpp"
 #include "mha/multihead_attention.hpp"
 #include "mha/optim.hpp"

@@ -40,6 +40,7 @@
 #include "mha/attention.hpp"
 #include "mha/init.hpp"
 #include "mha/kernels/gemm.hpp"
+#include "mha/kv_cache.hpp"
 #include "mha/mask.hpp"
 #include "mha/parameters.hpp"
 #include "mha/rotary.hpp"
@@ -588,8 +589,180 @@ class MultiHeadAttention {
   // sequence of forward_train calls. (Construction seeds it from config.seed.)
   void seed_dropout(std::uint64_t seed) { dropout_random_ = Random(seed ^ kDropoutSeedSalt); }
 
+  // ---- Decoding with a KV cache (see kv_cache.hpp) ----
+
+  // A cache for this layer's keys and values: `batch` sequences of at most `capacity` tokens, or
+  // with window >= 0 a sliding-window cache keeping each sequence's last `window` keys.
+  KVCache<T> make_kv_cache(Index batch, Index capacity, Index window = -1) const {
+    return KVCache<T>(batch, num_kv_heads(), head_dim(), capacity, window);
+  }
+
+  // What decode needs by default: causal, no weights.
+  static ForwardOptions<T> decode_options() {
+    ForwardOptions<T> options;
+    options.need_weights = false;
+    options.is_causal = true;
+    return options;
+  }
+
+  // One decoding step of self-attention. x [B, n, E] ([n, E] for a cache of one sequence) holds
+  // each sequence's next n tokens, or with new_tokens only the first new_tokens[b] of row b (the
+  // rest is padding, and its output rows are 0): sequences of different lengths advance together.
+  // The new tokens' keys and values are projected (and rotated) into the cache, and each new
+  // token attends to its sequence's cache: the output is that of forward over the whole sequence
+  // (with the same options), for those tokens.
+  //
+  // Token i of the step is at position cache.position(b) + i. The alignment is therefore always
+  // bottom-right (the new tokens come after the cached ones): is_causal, the window and ALiBi use
+  // it whatever causal_alignment and window.alignment say, and rope rotates by that position plus
+  // rope->position_offset. is_causal = false lets a step's tokens see each other (a prompt with
+  // bidirectional attention). Refused, before anything changes: masks (the cache decides what a
+  // token sees), need_weights, add_bias_kv and add_zero_attn (their key would follow every step's
+  // keys), kdim or vdim other than E, a window wider than a sliding cache keeps, and a step that
+  // overflows the cache's capacity. Const: a layer serves any number of caches, one thread each.
+  ForwardResult<T> decode(TensorView<const T> x, KVCache<T>& cache,
+                          const ForwardOptions<T>& options = decode_options(),
+                          const std::vector<Index>& new_tokens = {}) const {
+    const Index embed = config_.embed_dim, heads = config_.num_heads, width = kv_dim();
+    const Index batch = cache.batch();
+    const Index steps = check_decode(x, cache, options, new_tokens);
+    const Kernel kernel = detail::resolve_kernel(options.kernel, false);
+    const Index rotary_dim =
+        options.rope ? detail::checked_rotary_dim(*options.rope, head_dim()) : 0;
+    detail::CoreOptions<T> core;
+    core.scale = T(1) / std::sqrt(static_cast<T>(head_dim()));
+    core.causal = options.is_causal ? Causal::bottom_right : Causal::none;
+    core.window = options.window;
+    core.window.alignment = Alignment::bottom_right;
+    core.alibi_slopes = detail::checked_alibi_slopes(options.alibi_slopes, heads);
+    core.alibi_alignment = Alignment::bottom_right;
+    core.softcap = detail::checked_softcap(options.softcap);
+
+    // Every sequence's n rows projected at once; padding rows too (cheaper than gathering).
+    const Index rows = batch * steps;
+    const auto input = Eigen::Map<const Matrix<T>>(x.data(), rows, embed);
+    Matrix<T>* projected[] = {&cache.queries_, &cache.new_keys_, &cache.new_values_};
+    for (int which = 0; which < 3; ++which) {
+      projected[which]->resize(rows, projection_width(which));
+      detail::threaded_product(*projected[which], input, weight_rows(which).transpose(),
+                               detail::Accumulate::no);
+      add_bias(*projected[which], which);
+    }
+    cache.attended_.resize(rows, embed);
+    cache.attended_.setZero();
+
+    for (Index b = 0; b < batch; ++b) {
+      const Index count = new_tokens.empty() ? steps : new_tokens[static_cast<std::size_t>(b)];
+      if (count == 0) continue;
+      T* queries = cache.queries_.data() + b * steps * embed;
+      T* keys = cache.new_keys_.data() + b * steps * width;
+      T* values = cache.new_values_.data() + b * steps * width;
+      if (options.rope) {
+        cache.rope_table_.fill(*options.rope, rotary_dim, cache.position(b), count);
+        detail::rotate_heads(queries, count, embed, heads, head_dim(), cache.rope_table_, false);
+        detail::rotate_heads(keys, count, width, num_kv_heads(), head_dim(), cache.rope_table_,
+                             false);
+      }
+      const Index first = cache.reserve(b, count);
+      std::copy(keys, keys + count * width, cache.key_row(b, first));
+      std::copy(values, values + count * width, cache.value_row(b, first));
+      const Index start = cache.start_[static_cast<std::size_t>(b)];
+      const Index total_keys = first + count - start;
+      core.causal_cols = total_keys;
+      detail::attention<T>(kernel, 1, heads, head_layout<const T>(queries, count, embed),
+                           kv_head_layout<const T>(cache.key_row(b, start), total_keys, width),
+                           kv_head_layout<const T>(cache.value_row(b, start), total_keys, width),
+                           head_layout(cache.attended_.data() + b * steps * embed, count, embed),
+                           core, nullptr, cache.kernel_);
+      cache.advance(b, count);
+    }
+
+    ForwardResult<T> result;
+    result.output.resize(x.shape());
+    auto output = result.output.matrix();
+    detail::threaded_product(output, cache.attended_, params_.out_proj_weight.matrix().transpose(),
+                             detail::Accumulate::no);
+    if (config_.bias) output.rowwise() += params_.out_proj_bias.flat().transpose();
+    for (Index b = 0; b < batch && !new_tokens.empty(); ++b) {
+      const Index count = new_tokens[static_cast<std::size_t>(b)];
+      output.middleRows(b * steps + count, steps - count).setZero();
+    }
+    return result;
+  }
+
  private:
   using ParameterSet = detail::ParameterSet<T>;
+
+  // decode's checks, before anything changes; returns n.
+  Index check_decode(const TensorView<const T>& x, const KVCache<T>& cache,
+                     const ForwardOptions<T>& options, const std::vector<Index>& new_tokens) const {
+    const Index embed = config_.embed_dim, batch = cache.batch();
+    if (config_.add_bias_kv || config_.add_zero_attn) {
+      detail::throw_argument("decode",
+                             "a layer with add_bias_kv or add_zero_attn cannot decode with a KV "
+                             "cache: its extra key would follow every step's keys");
+    }
+    if (config_.kdim != embed || config_.vdim != embed) {
+      detail::throw_argument(
+          "decode",
+          "decodes self-attention only, so kdim and vdim must be E = " + std::to_string(embed) +
+              ", got " + std::to_string(config_.kdim) + " and " + std::to_string(config_.vdim));
+    }
+    if (cache.num_kv_heads() != num_kv_heads() || cache.head_dim() != head_dim()) {
+      detail::throw_argument(
+          "cache", "holds " + std::to_string(cache.num_kv_heads()) +
+                       " key/value heads of D = " + std::to_string(cache.head_dim()) +
+                       ", the layer has " + std::to_string(num_kv_heads()) +
+                       " of D = " + std::to_string(head_dim()) + " (make it with make_kv_cache)");
+    }
+    const std::string row_shape = "[" + std::to_string(batch) + ", n, " + std::to_string(embed) +
+                                  "] (one row per cached sequence)";
+    if (x.rank() == 2 && batch == 1) {
+      detail::check_shape("x", {detail::kAnyDim, embed}, x.shape());
+    } else if (x.rank() != 3 || x.dim(0) != batch || x.dim(2) != embed) {
+      detail::throw_shape("x", row_shape + (batch == 1 ? " or [n, E]" : ""), x.shape());
+    }
+    const Index steps = x.dim(x.rank() - 2);
+    if (!new_tokens.empty() && static_cast<Index>(new_tokens.size()) != batch) {
+      detail::throw_argument("new_tokens", "expected one count per sequence (" +
+                                               std::to_string(batch) + "), got " +
+                                               std::to_string(new_tokens.size()));
+    }
+    for (Index b = 0; b < batch; ++b) {
+      const Index count = new_tokens.empty() ? steps : new_tokens[static_cast<std::size_t>(b)];
+      if (count < 0 || count > steps) {
+        detail::throw_argument("new_tokens",
+                               "sequence " + std::to_string(b) + ": expected a count in [0, n = " +
+                                   std::to_string(steps) + "], got " + std::to_string(count));
+      }
+      if (cache.length(b) + count > cache.capacity()) {
+        detail::throw_argument(
+            "cache", "sequence " + std::to_string(b) + " holds " + std::to_string(cache.length(b)) +
+                         " keys of its capacity " + std::to_string(cache.capacity()) + "; " +
+                         std::to_string(count) + " more do not fit");
+      }
+    }
+    if (!options.attn_mask.empty() || !options.key_padding_mask.empty()) {
+      detail::throw_argument("decode",
+                             "takes no attn_mask or key_padding_mask: the cache decides which keys "
+                             "a token sees (new_tokens gives each sequence's length)");
+    }
+    if (options.need_weights) {
+      detail::throw_argument("need_weights",
+                             "decode returns no attention weights: set it false "
+                             "(decode_options() does), or run forward");
+    }
+    if (cache.sliding() && (options.window.left < 0 || options.window.left > cache.window())) {
+      detail::throw_argument(
+          "window.left", "a sliding-window cache keeping the last " +
+                             std::to_string(cache.window()) +
+                             " keys serves windows of at most that many keys to the left, got " +
+                             std::to_string(options.window.left) +
+                             (options.window.left < 0 ? " (unbounded)" : ""));
+    }
+    return steps;
+  }
+
   using Plan = detail::ForwardPlan;
   static constexpr std::uint64_t kDropoutSeedSalt = 0xD409A7E5EEDull;
 

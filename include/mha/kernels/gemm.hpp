@@ -11,9 +11,15 @@
 // edge paths depend on a product's shape, and they decide the order of each element's sum.)
 // Splitting the larger dimension keeps the smaller operand, packed once per slab, the one that is
 // re-read; up to 8 slabs keep 2, 4 or 8 threads busy.
+//
+// A product with at most 16 rows whose right operand has contiguous columns (x Wᵀ for a few
+// tokens, as a decoding step projects them) is computed as dot products instead, in slabs of 64
+// columns: GEMM would pack the whole weight matrix for a few rows of output. Measured on a
+// [8, 2048] x [2048, 2048] product: 0.40 ms against 0.81 ms, and 0.12 against 0.93 ms for 2 rows.
 #pragma once
 
 #include <algorithm>
+#include <type_traits>
 
 #include "mha/kernels/common.hpp"
 
@@ -26,7 +32,28 @@ enum class Accumulate { no, yes };
 // (maps, transposes, blocks).
 template <class Dst, class Lhs, class Rhs>
 void threaded_product(Dst&& dst, const Lhs& lhs, const Rhs& rhs, Accumulate accumulate) {
-  constexpr Index kMaxSlabs = 8, kMinSlab = 32;
+  constexpr Index kMaxSlabs = 8, kMinSlab = 32, kSmallRows = 16, kDotSlab = 64;
+  constexpr bool kContiguousColumns = !std::decay_t<Rhs>::IsRowMajor;
+  [[maybe_unused]] const double work = static_cast<double>(dst.rows()) *
+                                       static_cast<double>(dst.cols()) *
+                                       static_cast<double>(lhs.cols());
+  if constexpr (kContiguousColumns) {
+    if (dst.rows() <= kSmallRows && dst.cols() > dst.rows()) {
+      const Index slabs = (dst.cols() + kDotSlab - 1) / kDotSlab;
+      MHA_OMP_PRAGMA(
+          omp parallel for schedule(static) if (max_threads() > 1 && work >= kMinParallelWork))
+      for (Index slab = 0; slab < slabs; ++slab) {
+        const Index start = slab * kDotSlab, count = std::min(kDotSlab, dst.cols() - start);
+        auto dst_slab = dst.middleCols(start, count);
+        if (accumulate == Accumulate::yes) {
+          dst_slab.noalias() += lhs.lazyProduct(rhs.middleCols(start, count));
+        } else {
+          dst_slab.noalias() = lhs.lazyProduct(rhs.middleCols(start, count));
+        }
+      }
+      return;
+    }
+  }
   const bool by_rows = dst.rows() >= dst.cols();
   const Index extent = by_rows ? dst.rows() : dst.cols();
   const Index width =
@@ -42,9 +69,6 @@ void threaded_product(Dst&& dst, const Lhs& lhs, const Rhs& rhs, Accumulate accu
   // With more than one thread available, always inside a parallel region, even for one slab:
   // outside one, Eigen would thread a large product itself. With one thread, or below
   // kMinParallelWork (where Eigen does not thread either), no region.
-  [[maybe_unused]] const double work = static_cast<double>(dst.rows()) *
-                                       static_cast<double>(dst.cols()) *
-                                       static_cast<double>(lhs.cols());
   MHA_OMP_PRAGMA(
       omp parallel for schedule(static) if (max_threads() > 1 && work >= kMinParallelWork))
   for (Index slab = 0; slab < slabs; ++slab) {
