@@ -159,9 +159,10 @@ double relative_error(const mha::TensorView<const T>& actual,
 // passed as query, key and value, and its gradient is the sum of the three.
 void check_finite_differences(MultiHeadAttention<double>& layer, Tensor<double>& query,
                               Tensor<double>& key, Tensor<double>& value,
-                              const mha::ForwardOptions<double>& options, bool self_attention,
+                              const mha::ForwardOptions<double>& given_options, bool self_attention,
                               std::uint64_t seed) {
   using T = double;
+  mha::ForwardOptions<T> options = given_options;  // its head_gate is differenced too
   // loss = sum(output ∘ g). With dropout, forward_train draws a seed per call: reseeding
   // before each call replays the same mask, so the loss is a smooth function to difference.
   const auto g = mha_test::random_tensor<T>(query.shape(), 7 + seed);
@@ -219,6 +220,14 @@ void check_finite_differences(MultiHeadAttention<double>& layer, Tensor<double>&
     const Tensor<T> analytic(mha::TensorView<const T>(parameter.grad));
     CHECK(relative_error<T>(analytic.view(), numeric(parameter.value).view()) < kBound);
   }
+  if (!options.head_gate.empty()) {
+    INFO("head_gate");
+    REQUIRE(grads.head_gate.shape() == mha::Shape{layer.num_heads()});
+    const auto gate = mha::make_view(options.head_gate.data(), {layer.num_heads()});
+    CHECK(relative_error<T>(grads.head_gate.view(), numeric(gate).view()) < kBound);
+  } else {
+    CHECK(grads.head_gate.size() == 0);
+  }
 }
 
 }  // namespace
@@ -257,6 +266,14 @@ TEST_CASE("gradients equal central finite differences for every option", "[backw
           std::string(rope.layout == mha::RopeLayout::interleaved ? "interleaved" : "rotate-half") +
           " R " + std::to_string(rope.rotary_dim) + " offset " +
           std::to_string(rope.position_offset);
+    }
+    if (random.uniform() < 0.25) {
+      // gates of 0 (a removed head), 1 and fractions
+      for (Index h = 0; h < layer.num_heads(); ++h) {
+        const double draw = random.uniform();
+        options.head_gate.push_back(draw < 0.25 ? 0.0 : draw < 0.5 ? 1.0 : 1.5 * random.uniform());
+      }
+      description += " head_gate";
     }
     INFO(description);
 

@@ -547,3 +547,86 @@ TEST_CASE("diagnostics refuse weights that are not per-head [B, H, L, S]", "[dia
   CHECK_THROWS_AS(mha::head_reports(Tensor<double>({2, 2})), mha::ShapeError);
   CHECK_THROWS_AS(mha::uniform_heads(Tensor<float>()), mha::ShapeError);
 }
+
+TEMPLATE_TEST_CASE("head gates scale heads: ones change nothing, a zero removes the head",
+                   "[gating]", float, double) {
+  using T = TestType;
+  MultiHeadAttention<T> layer(MultiHeadAttentionConfig(16, 4));
+  mha_test::randomise(layer, 3);
+  const auto x = mha_test::random_tensor<T>({2, 5, 16}, 4);
+  mha::ForwardOptions<T> options;
+  options.average_attn_weights = false;
+  const auto plain = layer.forward(x, options);
+  options.head_gate = {T(1), T(1), T(1), T(1)};
+  const auto ones = layer.forward(x, options);
+  CHECK(ones.output.flat() == plain.output.flat());
+  CHECK(ones.attn_weights.flat() == plain.attn_weights.flat());
+
+  // Gate 0 on head 2 = head 2's columns of out_proj.weight zeroed; its weights come out 0, the
+  // others' unchanged; a gate of 0.5 halves head 1's weights.
+  options.head_gate = {T(1), T(0.5), T(0), T(1)};
+  const auto gated = layer.forward(x, options);
+  MultiHeadAttention<T> surgery = layer;
+  Tensor<T> out_weight(layer.parameter("out_proj.weight"));
+  out_weight.matrix().middleCols(8, 4).setZero();
+  out_weight.matrix().middleCols(4, 4) *= T(0.5);
+  surgery.set_parameter("out_proj.weight", out_weight.view());
+  mha::ForwardOptions<T> no_gate;
+  no_gate.average_attn_weights = false;
+  CHECK_TENSORS_CLOSE(gated.output, surgery.forward(x, no_gate).output);
+  for (Index b = 0; b < 2; ++b) {
+    CHECK(gated.attn_weights[b][2].matrix().isZero());
+    CHECK(gated.attn_weights[b][0].matrix() == plain.attn_weights[b][0].matrix());
+    CHECK((gated.attn_weights[b][1].matrix() - T(0.5) * plain.attn_weights[b][1].matrix())
+              .cwiseAbs()
+              .maxCoeff() == T(0));
+  }
+
+  const auto message = [&](std::vector<T> gate) {
+    options.head_gate = std::move(gate);
+    return message_of<mha::ShapeError>([&] { layer.forward(x, options); });
+  };
+  CHECK(message({T(1)}) == "head_gate: expected one gate per head (4), got 1");
+  CHECK(message({T(1), T(1), std::numeric_limits<T>::quiet_NaN(), T(1)}) ==
+        "head_gate: gate 2 is not finite");
+}
+
+TEST_CASE("head importance ranks a head whose output is discarded last", "[gating][importance]") {
+  using T = double;
+  MultiHeadAttention<T> layer(MultiHeadAttentionConfig(16, 4));
+  mha_test::randomise(layer, 7);
+  // Head 1's output never reaches the layer's output, and head 3's only at a tenth: their gates'
+  // gradients are 0 and small, whatever the data.
+  Tensor<T> out_weight(layer.parameter("out_proj.weight"));
+  out_weight.matrix().middleCols(4, 4).setZero();
+  out_weight.matrix().middleCols(12, 4) *= T(0.1);
+  layer.set_parameter("out_proj.weight", out_weight.view());
+  mha::HeadImportance importance(4);
+  mha::ForwardOptions<T> options;
+  options.need_weights = false;
+  options.head_gate.assign(4, T(1));
+  mha::SavedForward<T> saved;
+  for (std::uint64_t batch = 0; batch < 3; ++batch) {
+    const auto x = mha_test::random_tensor<T>({2, 6, 16}, 10 + batch);
+    const auto target = mha_test::random_tensor<T>({2, 6, 16}, 20 + batch);
+    const auto y = layer.forward_train(x, options, saved);
+    // loss = 0.5 |y - target|²: grad_output = y - target
+    Tensor<T> grad_output(y.output.shape());
+    grad_output.flat() = y.output.flat() - target.flat();
+    importance.add(layer.backward(saved, grad_output).head_gate);
+  }
+  CHECK(importance.batches() == 3);
+  const auto scores = importance.scores();
+  double norm = 0;
+  for (const double s : scores) norm += s * s;
+  CHECK(std::abs(norm - 1.0) < 1e-12);
+  CHECK(scores[1] == 0.0);
+  CHECK(importance.least_important(2) == std::vector<Index>{1, 3});
+  CHECK(scores[3] < scores[0]);
+  CHECK(scores[3] < scores[2]);
+
+  CHECK(message_of<mha::ShapeError>([&] { importance.add(Tensor<T>({3})); }) ==
+        "gate_gradient: expected [4], got [3]");
+  CHECK(contains(message_of<mha::ShapeError>([&] { importance.least_important(5); }),
+                 "count: expected 0 .. 4, got 5"));
+}

@@ -28,7 +28,8 @@ struct Setup {
 std::vector<Setup> setups() {
   std::vector<Setup> all;
   all.push_back({"plain, packed projection", MultiHeadAttentionConfig(16, 4)});
-  Setup modern{"GQA + RoPE + window + ALiBi + softcap", MultiHeadAttentionConfig(32, 4)};
+  Setup modern{"GQA + RoPE + window + ALiBi + softcap + head gates",
+               MultiHeadAttentionConfig(32, 4)};
   modern.config.num_kv_heads = 2;
   modern.rope = modern.alibi = modern.softcap = true;
   modern.window = 5;
@@ -52,6 +53,7 @@ mha::ForwardOptions<T> options_for(const Setup& setup, const MultiHeadAttention<
   if (setup.alibi) options.alibi_slopes = mha::alibi_slopes<T>(layer.num_heads());
   if (setup.softcap) options.softcap = T(3);
   if (setup.window >= 0) options.window = mha::Window{setup.window, 0};
+  if (setup.alibi) options.head_gate = {T(1), T(0.5), T(0), T(1.25)};  // the modern setup, H = 4
   return options;
 }
 

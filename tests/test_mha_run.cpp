@@ -128,7 +128,8 @@ TEST_CASE("mha_run with grad_output writes PyTorch autograd's gradients, end to 
   for (const std::string name :
        {"grad_f32_everything_flash", "grad_f64_everything_no_bias", "grad_f32_self_basic",
         "gqa_grad_f64_kv3_bias_kv_float_mask_per_head", "softcap_grad_f32_everything_per_head",
-        "window_grad_f64_bottom_right_L_gt_S_zero_attn", "rope_grad_f32_everything_per_head"}) {
+        "window_grad_f64_bottom_right_L_gt_S_zero_attn", "rope_grad_f32_everything_per_head",
+        "head_mask_grad_f64_everything_per_head"}) {
     INFO(name);
     const Run run = run_tool("'" + fixture(name + ".in.safetensors") + "' '" + out.string() + "'");
     REQUIRE(run.exit_code == 0);
@@ -203,6 +204,8 @@ TEST_CASE("mha_run --help documents the contract", "[mha_run]") {
                            "rope_base",
                            "rope_interleaved",
                            "rope_dim",
+                           "head_mask",
+                           "grad.head_mask",
                            "i + S - L"}) {
     CHECK(run.out.find(word) != std::string::npos);
   }
@@ -319,6 +322,20 @@ TEST_CASE("mha_run refuses bad window, alignment, ALiBi, softcap and rotary meta
     file.metadata[key] = value;
     INFO(key << " = \"" << value << "\"");
     CHECK(run_tool(run_with(file)).exit_code == 0);
+  }
+
+  // A head_mask tensor: one finite gate per head, in query's dtype.
+  {
+    auto gated = original;
+    gated.tensors["head_mask"] = mha::io::from_tensor(mha::Tensor<float>({2}, {1.0f, 0.0f}));
+    CHECK(run_tool(run_with(gated)).exit_code == 0);
+    gated.tensors["head_mask"] = mha::io::from_tensor(mha::Tensor<float>({3}, {1, 1, 1}));
+    check_refused(run_with(gated), "head_mask: expected [2] (one gate per head), got [3]");
+    gated.tensors["head_mask"] = mha::io::from_tensor(
+        mha::Tensor<float>({2}, {1.0f, std::numeric_limits<float>::infinity()}));
+    check_refused(run_with(gated), "head_mask: gate 1 is not finite");
+    gated.tensors["head_mask"] = mha::io::from_tensor(mha::Tensor<double>({2}, {1.0, 1.0}));
+    check_refused(run_with(gated), "head_mask: expected dtype F32 (that of query), got F64");
   }
 
   // An alibi_slopes tensor: one slope per head, query's dtype, and no alibi key beside it.

@@ -104,7 +104,8 @@ mha::Mask<T> fixture_mask(const mha::io::SafetensorsFile& in, const std::string&
 template <class T>
 Named<T> library_gradients(const mha::io::SafetensorsFile& in, bool shared) {
   const std::set<std::string> inputs = {
-      "query", "key", "value", "key_padding_mask", "attn_mask", "grad_output", "alibi_slopes"};
+      "query",     "key",         "value",        "key_padding_mask",
+      "attn_mask", "grad_output", "alibi_slopes", "head_mask"};
   std::map<std::string, mha::Tensor<T>> state;
   for (const auto& entry : in.tensors) {
     if (inputs.count(entry.first) == 0) {
@@ -147,6 +148,10 @@ Named<T> library_gradients(const mha::io::SafetensorsFile& in, bool shared) {
     rope.rotary_dim = std::stol(metadata_text(in, "rope_dim", "0"));
     options.rope = rope;
   }
+  if (in.tensors.count("head_mask") == 1) {
+    const auto gates = mha::io::to_tensor<T>(in.at("head_mask"), "head_mask");
+    options.head_gate.assign(gates.data(), gates.data() + gates.size());
+  }
   const auto query = mha::io::to_tensor<T>(in.at("query"), "query");
   const auto key = mha::io::to_tensor<T>(in.at("key"), "key");
   const auto value = mha::io::to_tensor<T>(in.at("value"), "value");
@@ -161,6 +166,7 @@ Named<T> library_gradients(const mha::io::SafetensorsFile& in, bool shared) {
   out.emplace("grad.query", grads.query);
   out.emplace("grad.key", grads.key);
   out.emplace("grad.value", grads.value);
+  if (!options.head_gate.empty()) out.emplace("grad.head_mask", grads.head_gate);
   for (const auto& name : layer.parameter_names()) {
     out.emplace("grad." + name, mha::Tensor<T>(layer.gradient(name)));
   }
@@ -459,6 +465,34 @@ TEST_CASE("the rotary-embedding fixtures are present and cover each layout", "[r
   CHECK(packed_self >= 1);
   CHECK(in_float >= 3);
   CHECK(in_double >= 3);
+}
+
+// The head_mask_* fixtures also go through every test above (gradients include grad.head_mask);
+// this checks that their gates include removed heads (0), untouched ones (1) and fractions.
+TEST_CASE("the head-mask fixtures are present and gate heads every way", "[reference][gating]") {
+  int cases = 0, with_gradients = 0, zeros = 0, ones = 0, fractions = 0;
+  for (const auto& name : fixture_names()) {
+    if (name.rfind("head_mask_", 0) != 0) continue;
+    INFO("fixture " << name);
+    const auto in = read_fixture(name, "in");
+    REQUIRE(in.tensors.count("head_mask") == 1);
+    ++cases;
+    with_gradients += in.tensors.count("grad_output") == 1;
+    const auto gates = mha::io::to_tensor<double>(in.at("head_mask"), "head_mask");
+    for (mha::Index h = 0; h < gates.size(); ++h) {
+      const double g = gates.data()[h];
+      (g == 0 ? zeros : g == 1 ? ones : fractions) += 1;
+    }
+    if (in.tensors.count("grad_output") == 1) {
+      CHECK(read_fixture(name, "expected").tensors.count("grad.head_mask") == 1);
+    }
+  }
+  // generate.py writes 5: 3 with gradients.
+  CHECK(cases >= 5);
+  CHECK(with_gradients >= 3);
+  CHECK(zeros >= 3);
+  CHECK(ones >= 3);
+  CHECK(fractions >= 3);
 }
 
 TEST_CASE("a layer's parameters round-trip through a safetensors file by their PyTorch names",

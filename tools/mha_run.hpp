@@ -70,6 +70,10 @@ IN holds:
       GPT-NeoX) or "1" (pairs (2k, 2k + 1), as GPT-J and Meta's Llama). Needs rope_base.
     rope_dim: an even positive integer R <= D (default D): only the first R features of each head
       rotate (partial rotary, GPT-NeoX's rotary_pct). Needs rope_base.
+  head_mask [H] (tensor, query's dtype), optional: per-head gates, as Hugging Face's head_mask:
+    head h's weights, so its output, are multiplied by head_mask[h] (0 removes the head); the
+    weights written are the gated ones. With grad_output, OUT also holds grad.head_mask, the
+    gradient from which head importance is scored (Michel et al. 2019).
 The dtype of query decides the arithmetic: F32 computes in float, F64 in double. key, value and
 float masks and grad_output must have that dtype too; parameters may be F32, F64, F16 or BF16
 (converted).
@@ -90,7 +94,8 @@ namespace detail {
 
 inline const std::set<std::string>& input_names() {
   static const std::set<std::string> names = {
-      "query", "key", "value", "key_padding_mask", "attn_mask", "grad_output", "alibi_slopes"};
+      "query",     "key",         "value",        "key_padding_mask",
+      "attn_mask", "grad_output", "alibi_slopes", "head_mask"};
   return names;
 }
 
@@ -265,6 +270,23 @@ std::vector<T> alibi(const io::SafetensorsFile& file, Index heads) {
   return std::vector<T>(slopes.data(), slopes.data() + slopes.size());
 }
 
+// head_mask [H]: per-head gates, or none.
+template <class T>
+std::vector<T> head_mask(const io::SafetensorsFile& file, Index heads) {
+  if (file.tensors.count("head_mask") == 0) return {};
+  const Tensor<T> gates = read_input<T>(file, "head_mask");
+  if (gates.shape() != Shape{heads}) {
+    mha::detail::throw_shape("head_mask", "[" + std::to_string(heads) + "] (one gate per head)",
+                             gates.shape());
+  }
+  for (Index h = 0; h < heads; ++h) {
+    if (!std::isfinite(gates.data()[h])) {
+      throw ShapeError("head_mask: gate " + std::to_string(h) + " is not finite");
+    }
+  }
+  return std::vector<T>(gates.data(), gates.data() + gates.size());
+}
+
 template <class T>
 io::SafetensorsFile run_as(const io::SafetensorsFile& in) {
   std::vector<std::string> parameter_names;
@@ -286,6 +308,7 @@ io::SafetensorsFile run_as(const io::SafetensorsFile& in) {
   options.alibi_slopes = alibi<T>(in, layer.num_heads());
   options.softcap = softcap<T>(in);
   options.rope = rope(in);
+  options.head_gate = head_mask<T>(in, layer.num_heads());
   options.kernel = kernel(in);
   options.key_padding_mask = read_mask<T>(in, "key_padding_mask");
   options.attn_mask = read_mask<T>(in, "attn_mask");
@@ -317,6 +340,7 @@ io::SafetensorsFile run_as(const io::SafetensorsFile& in) {
   out.tensors["grad.query"] = io::from_tensor(grads.query);
   out.tensors["grad.key"] = io::from_tensor(grads.key);
   out.tensors["grad.value"] = io::from_tensor(grads.value);
+  if (!options.head_gate.empty()) out.tensors["grad.head_mask"] = io::from_tensor(grads.head_gate);
   for (const std::string& name : layer.parameter_names()) {
     out.tensors["grad." + name] = io::from_tensor(layer.gradient(name));
   }

@@ -12,6 +12,7 @@
 //   head_reports, uniform_heads                                   -> one entry per head / indices
 //   all_finite, check_finite                                      any tensor
 //   head_gradient_norms and non_finite_parameters read a ParameterList (parameters.hpp).
+//   HeadImportance accumulates the head gates' gradients (InputGradients::head_gate) -> [H].
 //
 // Rows whose weights are all 0 are rows where every key was masked: the library returns 0 there
 // (PyTorch returns NaN). They carry no attention pattern, so entropy means leave them out.
@@ -296,6 +297,64 @@ std::vector<Index> uniform_heads(TensorView<const T> weights,
   }
   return heads;
 }
+
+// Head importance as "Are Sixteen Heads Really Better than One?" (Michel et al. 2019) scores it:
+// run forward_train with a head_gate of ones (ForwardOptions::head_gate), backward, and add each
+// batch's gate gradient: I_h = sum over batches of |d loss / d gate_h|, the first-order estimate
+// of what removing head h would change in the loss. scores() divides by the scores' L2 norm, as
+// the paper normalises each layer, so that layers compare; least_important picks heads to prune
+// (MultiHeadAttention::prune_heads, or gates of 0).
+class HeadImportance {
+ public:
+  explicit HeadImportance(Index num_heads) : sums_(static_cast<std::size_t>(num_heads), 0.0) {
+    if (num_heads < 1) {
+      detail::throw_argument("num_heads", "expected at least 1, got " + std::to_string(num_heads));
+    }
+  }
+
+  // gate_gradient: [H], InputGradients::head_gate of one backward.
+  template <class T>
+  void add(const Tensor<T>& gate_gradient) {
+    detail::check_shape("gate_gradient", {num_heads()}, gate_gradient.shape());
+    check_finite(gate_gradient.view(), "gate_gradient");
+    for (Index h = 0; h < num_heads(); ++h) {
+      sums_[static_cast<std::size_t>(h)] += std::abs(static_cast<double>(gate_gradient.data()[h]));
+    }
+    ++batches_;
+  }
+
+  Index num_heads() const { return static_cast<Index>(sums_.size()); }
+  Index batches() const { return batches_; }
+  // [H]: I_h, divided by the L2 norm of all H when normalise (all 0 stays 0).
+  std::vector<double> scores(bool normalise = true) const {
+    std::vector<double> result = sums_;
+    double norm = 0;
+    for (const double s : result) norm += s * s;
+    norm = std::sqrt(norm);
+    if (normalise && norm > 0) {
+      for (double& s : result) s /= norm;
+    }
+    return result;
+  }
+  // The `count` heads of lowest importance, lowest first (ties by index).
+  std::vector<Index> least_important(Index count) const {
+    if (count < 0 || count > num_heads()) {
+      detail::throw_argument("count", "expected 0 .. " + std::to_string(num_heads()) + ", got " +
+                                          std::to_string(count));
+    }
+    std::vector<Index> order(sums_.size());
+    for (std::size_t h = 0; h < order.size(); ++h) order[h] = static_cast<Index>(h);
+    std::stable_sort(order.begin(), order.end(), [&](Index a, Index b) {
+      return sums_[static_cast<std::size_t>(a)] < sums_[static_cast<std::size_t>(b)];
+    });
+    order.resize(static_cast<std::size_t>(count));
+    return order;
+  }
+
+ private:
+  std::vector<double> sums_;
+  Index batches_ = 0;
+};
 
 // parameters: one MultiHeadAttention layer's parameters (MultiHeadAttention::parameters(), or a
 // model's list that contains them) -> [H]: the L2 norm of each head's share of the gradients.

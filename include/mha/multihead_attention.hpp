@@ -30,6 +30,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -122,6 +123,11 @@ struct ForwardOptions {
   // key j is at position j, query i at c (i, or i + S - L bottom-right, as for ALiBi), both plus
   // rope->position_offset. bias_k and the zero key are not rotated.
   std::optional<Rope> rope;
+  // Head gating (Michel et al. 2019; Hugging Face's head_mask): empty, or one gate per head that
+  // multiplies head h's weights and so its output (0 removes the head, fractions scale it). The
+  // returned weights are the gated ones, averaged over all H heads. backward also returns the
+  // gates' gradient, from which head importance is computed (diagnostics.hpp).
+  std::vector<T> head_gate;
   // Which kernel computes the heads; automatic picks flash unless weights are requested.
   Kernel kernel = Kernel::automatic;
 };
@@ -139,6 +145,7 @@ template <class T>
 struct Workspace {
   Matrix<T> qkv, q, k, v;  // projections: fused [B*L, 3E], or q [B*L, E], k and v [B*S', E]
   Matrix<T> attended;      // the heads' outputs side by side, [B*L, E]
+  Matrix<T> gated;         // attended with head_gate applied (only with a gate)
   Tensor<T> per_head_weights;
   detail::RopeTable<T> rope_queries, rope_keys;
   std::vector<detail::KernelScratch<T>> kernel;  // one per thread
@@ -173,6 +180,7 @@ class SavedForward {
 template <class T>
 struct InputGradients {
   Tensor<T> query, key, value;
+  Tensor<T> head_gate;  // [H] with ForwardOptions::head_gate, else empty
 };
 
 template <class T>
@@ -467,14 +475,28 @@ class MultiHeadAttention {
     const Workspace<T>& forward = saved.workspace_;
 
     // output = attended W_oᵀ + b_o
+    const std::vector<T>& gate = saved.options_.head_gate;
     const auto grad_out = grad_output.matrix();
     detail::threaded_product(grads_.out_proj_weight.matrix(), grad_out.transpose(),
-                             forward.attended, detail::Accumulate::yes);
+                             gate.empty() ? forward.attended : forward.gated,
+                             detail::Accumulate::yes);
     if (config_.bias) grads_.out_proj_bias.flat() += grad_out.colwise().sum().transpose();
     Matrix<T>& grad_attended = saved.grad_attended_;
     grad_attended.resize(rows, embed);
     detail::threaded_product(grad_attended, grad_out, params_.out_proj_weight.matrix(),
                              detail::Accumulate::no);
+    // gated_h = gate_h attended_h: the gate's gradient is sum(grad_gated_h ∘ attended_h), and the
+    // heads' own gradient is gate_h grad_gated_h.
+    Tensor<T> grad_gate;
+    if (!gate.empty()) {
+      grad_gate.resize({heads});
+      for (Index h = 0; h < heads; ++h) {
+        auto grad_head = grad_attended.middleCols(h * head_dim(), head_dim());
+        grad_gate.data()[h] =
+            grad_head.cwiseProduct(forward.attended.middleCols(h * head_dim(), head_dim())).sum();
+        grad_head *= gate[static_cast<std::size_t>(h)];
+      }
+    }
 
     // the heads: gradients of q, k and v in buffers laid out as the forward's projections
     const T* q_data;
@@ -523,6 +545,7 @@ class MultiHeadAttention {
     // the projections y = x Wᵀ + b:
     //   grad W += grad_yᵀ x,  grad b += colsum(grad_y),  grad x = grad_y W
     InputGradients<T> grads;
+    grads.head_gate = std::move(grad_gate);
     grads.query = Tensor<T>(saved.query_.shape());
     grads.key = Tensor<T>(plan.fused ? saved.query_.shape() : saved.key_.shape());
     grads.value = Tensor<T>(plan.fused ? saved.query_.shape() : saved.value_.shape());
@@ -677,6 +700,10 @@ class MultiHeadAttention {
       cache.advance(b, count);
     }
 
+    for (Index h = 0; h < static_cast<Index>(options.head_gate.size()); ++h) {
+      cache.attended_.middleCols(h * head_dim(), head_dim()) *=
+          options.head_gate[static_cast<std::size_t>(h)];
+    }
     ForwardResult<T> result;
     result.output.resize(x.shape());
     auto output = result.output.matrix();
@@ -692,6 +719,31 @@ class MultiHeadAttention {
 
  private:
   using ParameterSet = detail::ParameterSet<T>;
+
+  void check_head_gate(const std::vector<T>& gate) const {
+    if (gate.empty()) return;
+    if (static_cast<Index>(gate.size()) != config_.num_heads) {
+      detail::throw_argument("head_gate", "expected one gate per head (" +
+                                              std::to_string(config_.num_heads) + "), got " +
+                                              std::to_string(gate.size()));
+    }
+    for (std::size_t h = 0; h < gate.size(); ++h) {
+      if (!std::isfinite(gate[h])) {
+        detail::throw_argument("head_gate", "gate " + std::to_string(h) + " is not finite");
+      }
+    }
+  }
+
+  // The heads' outputs the output projection reads: workspace.attended, or with a gate its gated
+  // copy (attended itself stays ungated: backward needs it for the gates' gradient).
+  const Matrix<T>& gate_heads(const std::vector<T>& gate, Workspace<T>& workspace) const {
+    if (gate.empty()) return workspace.attended;
+    workspace.gated = workspace.attended;
+    for (Index h = 0; h < config_.num_heads; ++h) {
+      workspace.gated.middleCols(h * head_dim(), head_dim()) *= gate[static_cast<std::size_t>(h)];
+    }
+    return workspace.gated;
+  }
 
   // decode's checks, before anything changes; returns n.
   Index check_decode(const TensorView<const T>& x, const KVCache<T>& cache,
@@ -742,6 +794,7 @@ class MultiHeadAttention {
                          std::to_string(count) + " more do not fit");
       }
     }
+    check_head_gate(options.head_gate);
     if (!options.attn_mask.empty() || !options.key_padding_mask.empty()) {
       detail::throw_argument("decode",
                              "takes no attn_mask or key_padding_mask: the cache decides which keys "
@@ -793,6 +846,7 @@ class MultiHeadAttention {
         plan.key_len + (config_.add_bias_kv ? 1 : 0) + (config_.add_zero_attn ? 1 : 0);
     plan.kernel = detail::resolve_kernel(options.kernel, options.need_weights);
     if (options.rope) detail::checked_rotary_dim(*options.rope, head_dim());
+    check_head_gate(options.head_gate);
     // Self-attention without extra key rows projects q, k and v in one [B*L, E] x [E, 3E] GEMM.
     plan.fused = packed_projection() && !config_.add_bias_kv && !config_.add_zero_attn &&
                  query.data() == key.data() && key.data() == value.data() &&
@@ -890,15 +944,21 @@ class MultiHeadAttention {
         head_layout(workspace.attended.data(), query_len, embed), core,
         options.need_weights ? per_head_weights.data() : nullptr, workspace.kernel, logsumexp);
 
+    const Matrix<T>& heads_output = gate_heads(options.head_gate, workspace);
     result.output.resize(plan.query_shape);
     auto output = result.output.matrix();
-    detail::threaded_product(output, workspace.attended,
-                             params_.out_proj_weight.matrix().transpose(), detail::Accumulate::no);
+    detail::threaded_product(output, heads_output, params_.out_proj_weight.matrix().transpose(),
+                             detail::Accumulate::no);
     if (config_.bias) output.rowwise() += params_.out_proj_bias.flat().transpose();
 
     if (!options.need_weights) {
       result.attn_weights = Tensor<T>();
       return;
+    }
+    for (Index h = 0; h < static_cast<Index>(options.head_gate.size()); ++h) {
+      for (Index b = 0; b < batch; ++b) {
+        per_head_weights[b][h].matrix() *= options.head_gate[static_cast<std::size_t>(h)];
+      }
     }
     if (options.average_attn_weights) {
       average_over_heads(per_head_weights, result.attn_weights);

@@ -23,7 +23,8 @@
       masks folded into attn_mask (where there is no softcap) and against generate.naive_mha.
       Another share (--rope-share, default 0.2, from a stream of its own) get rotary embeddings
       (generate.rope_variant: base, layout and rotary_dim drawn; cases with D < 2 stay without),
-      checked the same way against generate.naive_mha.
+      checked the same way against generate.naive_mha. And --gate-share (default 0.2, its own
+      stream) get a head_mask tensor [H] of gates 0, 1 or fractions (and grad.head_mask).
       A share of the cases (--grad-share, default 0.5; 0 turns gradients off; the choice comes from
       its own random stream, so --seed K gives the same configurations whatever the share) also get
       a random `grad_output` in IN, and a third of those without weights metadata kernel=reference.
@@ -188,6 +189,8 @@ def modern_kinds(spec):
         kinds.append("alibi=" + spec.alibi)
     if spec.softcap:
         kinds.append("softcap > 0")
+    if spec.head_mask is not None:
+        kinds.append("head_mask")
     if spec.rope is not None:
         kinds.append("rope " + ("interleaved" if spec.rope[1] else "rotate-half") +
                      ("" if spec.rope[2] is None else " partial"))
@@ -195,7 +198,8 @@ def modern_kinds(spec):
 
 
 def run_random(args, work_dir):
-    specs = gen.random_specs(args.count, args.seed, args.gqa_share, args.modern_share, args.rope_share)
+    specs = gen.random_specs(args.count, args.seed, args.gqa_share, args.modern_share, args.rope_share,
+                             args.gate_share)
     select_gradients(specs, args.seed, args.grad_share)
     passed = failed = 0
     with_grad = 0
@@ -471,6 +475,8 @@ def main(argv=None):
                          "(default: %(default)s)")
     ap.add_argument("--rope-share", type=float, default=0.2, metavar="P",
                     help="share of the random cases given rotary embeddings (default: %(default)s)")
+    ap.add_argument("--gate-share", type=float, default=0.2, metavar="P",
+                    help="share of the random cases given a head_mask (default: %(default)s)")
     ap.add_argument("--malformed", action="store_true", help="check malformed inputs instead")
     ap.add_argument("--cases-dir", metavar="DIR", help="check existing NAME.in/NAME.expected pairs in DIR instead")
     ap.add_argument("--keep", metavar="DIR", help="write the cases and outputs to DIR and keep them")
@@ -483,6 +489,8 @@ def main(argv=None):
         ap.error(f"--gqa-share must be in [0, 1], got {args.gqa_share}")
     if not 0.0 <= args.modern_share <= 1.0:
         ap.error(f"--modern-share must be in [0, 1], got {args.modern_share}")
+    if not 0.0 <= args.gate_share <= 1.0:
+        ap.error(f"--gate-share must be in [0, 1], got {args.gate_share}")
     if not 0.0 <= args.rope_share <= 1.0:
         ap.error(f"--rope-share must be in [0, 1], got {args.rope_share}")
     if not (os.path.isfile(args.mha_run) and os.access(args.mha_run, os.X_OK)):

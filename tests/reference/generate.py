@@ -133,6 +133,15 @@ Rotary embeddings (the rope_* cases, rope_grad_* with gradients; random cases ma
     naive_mha a second way, per head as complex multiplication (Meta's Llama). Torch's module cannot
     express the rotation, so these cases are checked against naive_mha only (in float64, 1e-12 of
     scale), which a flipped sign or a shifted position fails by several units.
+
+Head gates (the head_mask_* cases, head_mask_grad_* with gradients; random cases made so by --gate-share):
+
+  * A head_mask tensor [H] in IN (no metadata key): gate m_h multiplies head h's weights after the
+    softmax, so its output, as Hugging Face's head_mask does; the attn_weights written are the gated
+    ones (averaged over all H heads). Gates are 0, 1 or multiples of 1/64 in [0, 1.5], from the
+    stream [seed, "hmsk"]. Gradient cases also hold grad.head_mask, autograd's gradient of the gates
+    (the head importance of Michel et al. 2019). Checked against naive_mha, which gates each head's
+    output and weights one head at a time.
 """
 
 import argparse
@@ -261,7 +270,7 @@ class Spec:
                  attn_mask=None, attn_inf=False, kpm=None, kpm_inf=False, is_causal=False,
                  need_weights=True, average=True, meta="full", seed=None, kernel=None, grad=False,
                  num_kv_heads=None, causal_alignment=None, window=None, alibi=None, softcap=None,
-                 rope=None):
+                 rope=None, head_mask=None):
         assert dtype in ("f32", "f64")
         assert attn_mask in (None, "bool2d", "bool3d", "float2d", "float3d")
         assert kpm in (None, "bool", "float")
@@ -305,18 +314,23 @@ class Spec:
             assert rotary_dim is not None or D % 2 == 0, name
             rope = (float(base), bool(interleaved), rotary_dim)
         self.rope = rope
+        # A head_mask tensor [H] (per-head gates on the heads' outputs): None or "random"; its values
+        # (self.gates) are drawn by build_case from a stream of their own.
+        assert head_mask in (None, "random"), name
+        self.head_mask = head_mask
+        self.gates = None
 
     @property
     def modern(self):
         """Sets a window, causal alignment, ALiBi or softcap: computed by written_out_mha."""
         return (self.causal_alignment is not None or self.window is not None or self.alibi is not None
-                or self.softcap is not None or self.rope is not None)
+                or self.softcap is not None or self.rope is not None or self.head_mask is not None)
 
     @property
     def foldable(self):
         """Whether torch's module can compute the case with everything folded into attn_mask: not with
-        softcap or rotary embeddings, which change the scores themselves."""
-        return not self.softcap and self.rope is None
+        softcap or rotary embeddings, which change the scores themselves, nor with a head mask."""
+        return not self.softcap and self.rope is None and self.head_mask is None
 
     @property
     def bottom_right(self):
@@ -390,6 +404,8 @@ class Spec:
             base, interleaved, rotary_dim = self.rope
             parts.append(f"rope(base={base:g}{',interleaved' if interleaved else ''}"
                          f"{'' if rotary_dim is None else ',dim=' + str(rotary_dim)})")
+        if self.head_mask is not None:
+            parts.append("head_mask")
         if not self.need_weights:
             parts.append("no-weights")
         elif not self.average:
@@ -477,6 +493,21 @@ def draw_slopes(spec, fdt):
         return np.array(paper_alibi_slopes(spec.H), dtype=np.float64).astype(fdt)
     rng = np.random.default_rng([spec.seed, _ALIBI_STREAM])
     return (np.round(rng.uniform(1 / 16, 1.5, spec.H) * 1024) / 1024).astype(fdt)
+
+
+# Second seed word of the stream head_mask gates are drawn from (ASCII "hmsk").
+_GATE_STREAM = 0x686D736B
+
+
+def draw_gates(spec, fdt):
+    """The head_mask [H] of a case in fdt, or None: each gate 0 (a removed head), 1, or uniform in
+    [0, 1.5] in steps of 1/64 (exact in float32), from a stream of its own."""
+    if spec.head_mask is None:
+        return None
+    rng = np.random.default_rng([spec.seed, _GATE_STREAM])
+    kinds = rng.integers(0, 3, spec.H)
+    values = np.round(rng.uniform(0.0, 1.5, spec.H) * 64) / 64
+    return np.where(kinds == 0, 0.0, np.where(kinds == 1, 1.0, values)).astype(fdt)
 
 
 def _draw_masks(spec, rng, fdt):
@@ -679,6 +710,8 @@ def written_out_mha(spec, p, query, key, value, attn_mask, kpm):
         mask = F.pad(mask, (0, s_prime - spec.S)).reshape(B * H, L, s_prime)
         scores = torch.baddbmm(mask, q_scaled, k.transpose(-2, -1))
     weights = torch.softmax(scores, dim=-1)                        # [B*H, L, S']
+    if "head_mask" in p:  # Hugging Face's head_mask: the weights (so the outputs) of head h times m_h
+        weights = (weights.view(B, H, L, s_prime) * p["head_mask"].view(1, H, 1, 1)).view(B * H, L, s_prime)
     attended = torch.bmm(weights, v)                              # [B*H, L, D]
     attended = attended.transpose(0, 1).contiguous().view(L * B, E)  # heads merged, [L*B, E]
     out = F.linear(attended, p["out_proj.weight"], p.get("out_proj.bias")).view(L, B, E)
@@ -778,9 +811,16 @@ def _run_torch(spec, mha, params, query, key, value, attn_mask, kpm, grad_output
                         [(n, state[n]) for n in params])
 
 
+def _gate_leaf(spec, p, fdt):
+    """Adds the head_mask to p as one more leaf: its gradient comes out as grad.head_mask."""
+    if spec.gates is not None:
+        p["head_mask"] = torch.from_numpy(spec.gates.astype(fdt)).requires_grad_()
+
+
 def _run_written_out(spec, params, query, key, value, attn_mask, kpm, grad_output, fdt):
     tq, tk, tv = _leaves(spec, query, key, value)
     p = {n: torch.from_numpy(x.copy()).requires_grad_() for n, x in params.items()}
+    _gate_leaf(spec, p, fdt)
     with torch.enable_grad():
         out, weights = written_out_mha(spec, p, tq, tk, tv, attn_mask, kpm)
         return _results(spec, fdt, out, weights, grad_output, (tq, tk, tv), list(p.items()))
@@ -873,11 +913,13 @@ def _expansion_check(spec, params, run):
 
 
 def _widened(spec):
-    """A copy of spec in float64 (its ALiBi slopes widened too)."""
+    """A copy of spec in float64 (its ALiBi slopes and head_mask widened too)."""
     spec = copy.copy(spec)
     spec.dtype = "f64"
     if spec.slopes is not None:
         spec.slopes = spec.slopes.astype(np.float64)
+    if spec.gates is not None:
+        spec.gates = spec.gates.astype(np.float64)
     return spec
 
 
@@ -948,7 +990,10 @@ def naive_mha(spec, p, query, key, value, attn_mask, kpm):
             bias = torch.tensor([[score_bias(bb, h, i, j) for j in range(s_prime)] for i in range(L)],
                                 dtype=s.dtype)
             w = torch.softmax(s + bias, dim=-1)
-            out_b.append(w @ v[bb, :, g * D:(g + 1) * D])
+            head_out = w @ v[bb, :, g * D:(g + 1) * D]
+            if "head_mask" in p:  # the gate on the head's output and on its weights
+                head_out, w = p["head_mask"][h] * head_out, p["head_mask"][h] * w
+            out_b.append(head_out)
             w_b.append(w)
         heads.append(torch.cat(out_b, dim=-1))
         weights.append(torch.stack(w_b))
@@ -976,6 +1021,7 @@ def _naive_check(spec, params, run):
     query, key, value, attn_mask, kpm, grad_output = run
     tq, tk, tv = _leaves(spec, query, key, value)
     p = {n: torch.from_numpy(x.copy()).requires_grad_() for n, x in params.items()}
+    _gate_leaf(spec, p, fdt)
     with torch.enable_grad():
         out, weights = naive_mha(spec, p, tq, tk, tv, attn_mask, kpm)
         naive = _results(spec, fdt, out, weights, grad_output, (tq, tk, tv), list(p.items()))
@@ -995,6 +1041,7 @@ def build_case(spec, cross_check=True):
     tdt = torch.float32 if spec.dtype == "f32" else torch.float64
     spec = copy.copy(spec)
     spec.slopes = draw_slopes(spec, fdt)  # from a stream of its own
+    spec.gates = draw_gates(spec, fdt)  # and so do these
     E, H, L, S, kdim, vdim = spec.E, spec.H, spec.L, spec.S, spec.kdim, spec.vdim
     lead = () if spec.B is None else (spec.B,)
 
@@ -1048,7 +1095,8 @@ def build_case(spec, cross_check=True):
         wshape = lead + ((L, s_prime) if spec.average else (H, L, s_prime))
         assert expected["attn_weights"].shape == wshape, (spec.name, expected["attn_weights"].shape, wshape)
     if spec.grad:
-        for n, x in list(params.items()) + [("query", query), ("key", key), ("value", value)]:
+        gates = [] if spec.gates is None else [("head_mask", spec.gates)]
+        for n, x in list(params.items()) + gates + [("query", query), ("key", key), ("value", value)]:
             assert expected["grad." + n].shape == x.shape, (spec.name, n)
     for n, t in expected.items():
         if not np.isfinite(t).all():
@@ -1066,6 +1114,8 @@ def build_case(spec, cross_check=True):
         inputs["attn_mask"] = attn_mask
     if spec.alibi == "tensor":
         inputs["alibi_slopes"] = spec.slopes
+    if spec.head_mask is not None:
+        inputs["head_mask"] = spec.gates
     meta = spec.metadata()
     exp_meta = dict(meta)
     exp_meta["description"] = spec.description
@@ -1532,6 +1582,32 @@ def rope_cases():
     ]
 
 
+def head_mask_cases():
+    """Per-head gates (head_mask_*; head_mask_grad_* with gradients): a head_mask tensor [H] whose
+    gate m_h multiplies head h's weights and so its output (Hugging Face's head_mask); gates of 0
+    (removed heads), 1 and fractions. Computed by written_out_mha, checked against naive_mha."""
+    def C(name, description, **kw):
+        return Spec(name, description, head_mask="random", **kw)
+
+    def G(name, description, **kw):
+        return Spec(name, description, head_mask="random", grad=True, **kw)
+    return [
+        C("head_mask_f32_self_per_head", "H=4, self-attention, per-head weights (gated too)",
+          dtype="f32", B=2, L=5, E=16, H=4, self_attn=True, average=False),
+        C("head_mask_f64_gqa_averaged_causal", "H_kv=2 of H=6, is_causal, weights averaged over the gated heads",
+          dtype="f64", B=2, L=4, S=6, E=24, H=6, num_kv_heads=2, is_causal=True, causal_alignment="bottom_right"),
+        G("head_mask_grad_f32_self_causal_tiles_flash", "H=4, L=70 (several flash blocks), self-attention, "
+          "is_causal, need_weights=0",
+          dtype="f32", B=1, L=70, E=16, H=4, self_attn=True, is_causal=True, need_weights=False),
+        G("head_mask_grad_f64_everything_per_head", "H=3, kdim/vdim, bias_kv, zero_attn, RoPE, ALiBi, window, "
+          "bool kpm, per head",
+          dtype="f64", B=2, L=4, S=5, E=12, H=3, kdim=5, vdim=7, add_bias_kv=True, add_zero_attn=True,
+          rope=(10000.0, False, None), alibi="paper", window=(2, 1), kpm="bool", average=False),
+        G("head_mask_grad_f32_mqa_reference", "H_kv=1 of H=4, need_weights=0, kernel=reference",
+          dtype="f32", B=2, L=3, S=4, E=16, H=4, num_kv_heads=1, need_weights=False, kernel="reference"),
+    ]
+
+
 # ----------------------------------------------------------------------------------------------
 # random configurations (out-of-sample checks)
 
@@ -1629,11 +1705,16 @@ def rope_variant(spec, rng):
     return r
 
 
-def random_specs(count, seed, gqa_share=0.0, modern_share=0.0, rope_share=0.0):
+# And for which random cases get a head_mask (ASCII "gate").
+_GATE_SELECT_STREAM = 0x67617465
+
+
+def random_specs(count, seed, gqa_share=0.0, modern_share=0.0, rope_share=0.0, gate_share=0.0):
     rng = np.random.default_rng(seed)
     gqa_rng = np.random.default_rng([seed, _GQA_STREAM])
     modern_rng = np.random.default_rng([seed, _MODERN_STREAM])
     rope_rng = np.random.default_rng([seed, _ROPE_STREAM])
+    gate_rng = np.random.default_rng([seed, _GATE_SELECT_STREAM])
     specs = []
     for i in range(count):
         while True:
@@ -1659,6 +1740,10 @@ def random_specs(count, seed, gqa_share=0.0, modern_share=0.0, rope_share=0.0):
                 pass  # the window or alignment leaves a row without keys: keep the configuration
         if rope_rng.random() < rope_share:
             s = rope_variant(s, rope_rng) or s
+        if gate_rng.random() < gate_share:
+            s = copy.copy(s)
+            s.head_mask = "random"
+            s.description = "random configuration: " + s.summary()
         specs.append(s)
     return specs
 
@@ -1678,12 +1763,15 @@ def main(argv=None):
                          "(default: %(default)s)")
     ap.add_argument("--rope-share", type=float, default=0.2, metavar="P",
                     help="share of the --random cases given rotary embeddings (default: %(default)s)")
+    ap.add_argument("--gate-share", type=float, default=0.2, metavar="P",
+                    help="share of the --random cases given a head_mask (default: %(default)s)")
     ap.add_argument("--only", metavar="PREFIX", action="append",
                     help="write only the committed cases whose name starts with PREFIX (repeatable)")
     args = ap.parse_args(argv)
 
-    specs = random_specs(args.random, args.seed, args.gqa_share, args.modern_share, args.rope_share) \
-        if args.random is not None else fixed_cases() + gradient_cases() + gqa_cases() + modern_cases() + rope_cases()
+    specs = random_specs(args.random, args.seed, args.gqa_share, args.modern_share, args.rope_share,
+                         args.gate_share) \
+        if args.random is not None else fixed_cases() + gradient_cases() + gqa_cases() + modern_cases() + rope_cases() + head_mask_cases()
     if args.only:
         specs = [s for s in specs if any(s.name.startswith(p) for p in args.only)]
     names = [s.name for s in specs]
