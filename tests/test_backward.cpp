@@ -318,6 +318,29 @@ TEST_CASE("rotary embeddings' gradients equal finite differences in both layouts
   }
 }
 
+// A pruned layer (H·D = 12 < E = 16) trains: its gradients in the new shapes, packed and not.
+TEST_CASE("a pruned layer's gradients equal finite differences", "[backward][prune]") {
+  std::uint64_t seed = 700;
+  for (const bool self_attention : {true, false}) {
+    MultiHeadAttentionConfig config(16, 4);
+    config.add_bias_kv = !self_attention;
+    config.kdim = self_attention ? 0 : 5;
+    MultiHeadAttention<double> layer(config);
+    randomise(layer, ++seed);
+    layer.prune_heads({2});
+    REQUIRE(layer.inner_dim() == 12);
+    auto query = mha_test::random_tensor<double>({2, 4, 16}, ++seed);
+    auto key = mha_test::random_tensor<double>({2, 5, layer.kdim()}, ++seed);
+    auto value = mha_test::random_tensor<double>({2, 5, layer.vdim()}, ++seed);
+    if (self_attention) key = value = query;
+    mha::ForwardOptions<double> options;
+    options.need_weights = false;
+    options.head_gate = {0.5, 1.0, 2.0};
+    INFO("self " << self_attention);
+    check_finite_differences(layer, query, key, value, options, self_attention, seed);
+  }
+}
+
 TEMPLATE_TEST_CASE("flash and reference backward agree in the layer, across blocks",
                    "[backward][flash]", float, double) {
   using T = TestType;

@@ -154,27 +154,29 @@ TEMPLATE_TEST_CASE("a batch of sequences of different lengths decodes without pa
   auto cache = layer.make_kv_cache(3, 16);
   Tensor<T> prompt_rows({3, 7, E});
   prompt_rows.flat().setConstant(T(1e3));  // padding: must not leak into anything
-  for (Index b = 0; b < 3; ++b) {
-    prompt_rows[b].matrix().topRows(prompts[b]) = sequences[b][0].matrix().topRows(prompts[b]);
+  for (std::size_t i = 0; i < prompts.size(); ++i) {
+    prompt_rows[static_cast<Index>(i)].matrix().topRows(prompts[i]) =
+        sequences[i][0].matrix().topRows(prompts[i]);
   }
   const auto prefill = layer.decode(prompt_rows, cache, options, prompts);
-  for (Index b = 0; b < 3; ++b) {
+  for (std::size_t i = 0; i < prompts.size(); ++i) {
+    const auto b = static_cast<Index>(i);
     INFO("sequence " << b << ", prefill");
-    CHECK(cache.position(b) == prompts[b]);
-    check_decoded(matrix_rows<T>(prefill.output[b], 0, prompts[b]),
-                  matrix_rows<T>(expected[b][0], 0, prompts[b]));
-    CHECK(prefill.output[b].matrix().bottomRows(7 - prompts[b]).isZero());
+    CHECK(cache.position(b) == prompts[i]);
+    check_decoded(matrix_rows<T>(prefill.output[b], 0, prompts[i]),
+                  matrix_rows<T>(expected[i][0], 0, prompts[i]));
+    CHECK(prefill.output[b].matrix().bottomRows(7 - prompts[i]).isZero());
   }
   for (Index step = 0; step < generated; ++step) {
     Tensor<T> tokens({3, 1, E});
-    for (Index b = 0; b < 3; ++b) {
-      tokens[b].matrix() = sequences[b][0].matrix().row(prompts[b] + step);
+    for (std::size_t i = 0; i < prompts.size(); ++i) {
+      tokens[static_cast<Index>(i)].matrix() = sequences[i][0].matrix().row(prompts[i] + step);
     }
     const auto out = layer.decode(tokens, cache, options);
-    for (Index b = 0; b < 3; ++b) {
-      INFO("sequence " << b << ", generated token " << step);
-      check_decoded(matrix_rows<T>(out.output[b], 0, 1),
-                    matrix_rows<T>(expected[b][0], prompts[b] + step, 1));
+    for (std::size_t i = 0; i < prompts.size(); ++i) {
+      INFO("sequence " << i << ", generated token " << step);
+      check_decoded(matrix_rows<T>(out.output[static_cast<Index>(i)], 0, 1),
+                    matrix_rows<T>(expected[i][0], prompts[i] + step, 1));
     }
   }
 }

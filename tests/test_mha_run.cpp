@@ -413,3 +413,25 @@ TEST_CASE("mha_run refuses bad input with exit code 1 and one line", "[mha_run][
   file.tensors["query"] = mha::io::from_tensor(mha::Tensor<bool>({2, 2}));
   refused_with(file, "query: expected dtype F32 or F64, got BOOL");
 }
+
+TEST_CASE("mha_run runs a pruned layer, reading D from out_proj.weight", "[mha_run][prune]") {
+  mha::MultiHeadAttentionConfig config(16, 4);
+  config.seed = 5;
+  mha::MultiHeadAttention<double> layer(config);
+  layer.prune_heads({1});  // 3 heads of D = 4: H·D = 12, E = 16
+  mha::io::SafetensorsFile in;
+  for (const auto& name : layer.parameter_names()) {
+    in.tensors[name] = mha::io::from_tensor(mha::Tensor<double>(layer.parameter(name)));
+  }
+  const auto x = mha_test::random_tensor<double>({2, 3, 16}, 6);
+  for (const char* name : {"query", "key", "value"}) in.tensors[name] = mha::io::from_tensor(x);
+  in.metadata["num_heads"] = "3";
+  const fs::path dir = scratch_dir();
+  mha::io::write_safetensors((dir / "pruned.safetensors").string(), in);
+  const Run run = run_tool("'" + (dir / "pruned.safetensors").string() + "' '" +
+                           (dir / "out.safetensors").string() + "'");
+  REQUIRE(run.exit_code == 0);
+  const auto out = mha::io::read_safetensors((dir / "out.safetensors").string());
+  CHECK_TENSORS_CLOSE(mha::io::to_tensor<double>(out.at("output"), "output"),
+                      layer.forward(x, x, x).output);
+}

@@ -2,7 +2,9 @@
 // (Agreement with PyTorch itself is in test_reference.cpp.)
 #include <algorithm>
 #include <limits>
+#include <map>
 #include <numeric>
+#include <string>
 #include <vector>
 
 #include "helpers.hpp"
@@ -463,4 +465,108 @@ TEMPLATE_TEST_CASE("grouped-query attention equals MHA with each K/V head's proj
   bad.num_kv_heads = 4;
   CHECK_THROWS_WITH(MultiHeadAttention<float>(bad),
                     "num_kv_heads: must divide num_heads 6 (or be 0 for num_heads), got 4");
+}
+
+TEMPLATE_TEST_CASE("prune_heads removes heads: the outputs of gating them to 0, smaller matrices",
+                   "[prune]", float, double) {
+  using T = TestType;
+  struct Case {
+    const char* name;
+    MultiHeadAttentionConfig config;
+    bool self_attention;
+  };
+  MultiHeadAttentionConfig packed(24, 4);
+  MultiHeadAttentionConfig separate(24, 4);
+  separate.kdim = 5;
+  separate.vdim = 7;
+  separate.add_bias_kv = true;
+  separate.add_zero_attn = true;
+  MultiHeadAttentionConfig no_bias(24, 4);
+  no_bias.bias = false;
+  for (const Case& c :
+       {Case{"packed self-attention", packed, true},
+        Case{"kdim/vdim, bias_kv, zero_attn", separate, false}, Case{"no bias", no_bias, true}}) {
+    INFO(c.name);
+    MultiHeadAttention<T> layer(c.config);
+    randomise(layer, 9);
+    const auto x = mha_test::random_tensor<T>({2, 5, 24}, 10);
+    const auto key = mha_test::random_tensor<T>({2, 6, layer.kdim()}, 11);
+    const auto value = mha_test::random_tensor<T>({2, 6, layer.vdim()}, 12);
+    const auto run = [&](const MultiHeadAttention<T>& l, const mha::ForwardOptions<T>& options) {
+      return c.self_attention ? l.forward(x, options) : l.forward(x, key, value, options);
+    };
+    mha::ForwardOptions<T> options;
+    options.average_attn_weights = false;
+    options.is_causal = true;
+    options.rope = mha::Rope{};
+    mha::ForwardOptions<T> gated = options;
+    gated.head_gate = {T(0), T(1), T(1), T(0)};
+    const auto expected = run(layer, gated);
+    const auto before = run(layer, options);
+
+    MultiHeadAttention<T> pruned = layer;
+    pruned.prune_heads({3, 0});
+    CHECK(pruned.num_heads() == 2);
+    CHECK(pruned.head_dim() == 6);
+    CHECK(pruned.inner_dim() == 12);
+    CHECK(pruned.embed_dim() == 24);
+    CHECK(pruned.parameter("out_proj.weight").shape() == mha::Shape{24, 12});
+    CHECK(pruned.parameter(c.self_attention ? "in_proj_weight" : "q_proj_weight").dim(0) ==
+          (c.self_attention ? 36 : 12));
+    const auto after = run(pruned, options);
+    CHECK_TENSORS_CLOSE(after.output, expected.output);
+    // The kept heads, 1 and 2, attend exactly as before.
+    for (Index b = 0; b < 2; ++b) {
+      for (Index h = 0; h < 2; ++h) {
+        CHECK(after.attn_weights[b][h].matrix() == before.attn_weights[b][h + 1].matrix());
+      }
+    }
+    // A pruned layer's state_dict loads back into a layer of the same shapes.
+    std::map<std::string, Tensor<T>> state;
+    for (const auto& name : pruned.parameter_names()) {
+      state.emplace(name, Tensor<T>(pruned.parameter(name)));
+    }
+    const auto loaded = MultiHeadAttention<T>::from_state_dict(state, 2, c.config.add_zero_attn);
+    CHECK(loaded.head_dim() == 6);
+    CHECK(run(loaded, options).output.flat() == after.output.flat());
+    // and decodes (self-attention layers without extra keys)
+    if (c.self_attention) {
+      auto cache = pruned.make_kv_cache(2, 5);
+      auto decode_options = mha::MultiHeadAttention<T>::decode_options();
+      decode_options.rope = mha::Rope{};
+      const auto decoded = pruned.decode(x, cache, decode_options).output;
+      mha::ForwardOptions<T> causal = decode_options;
+      const auto full = pruned.forward(x, causal).output;
+      const double scale = static_cast<double>(full.flat().cwiseAbs().maxCoeff());
+      CHECK_TENSORS_CLOSE_TOL(decoded, full, 0.0,
+                              (std::is_same_v<T, float> ? 1e-5 : 1e-12) * scale);
+    }
+  }
+}
+
+TEST_CASE("prune_heads refuses what it cannot remove", "[prune][errors]") {
+  MultiHeadAttention<double> layer(MultiHeadAttentionConfig(16, 4));
+  const auto message = [&](const std::vector<Index>& heads) {
+    return mha_test::message_of<mha::ShapeError>([&] { layer.prune_heads(heads); });
+  };
+  CHECK(message({4}) == "heads: expected head indices in [0, 4), got 4");
+  CHECK(message({-1}) == "heads: expected head indices in [0, 4), got -1");
+  CHECK(message({1, 1}) == "heads: head 1 is listed twice");
+  CHECK(message({0, 1, 2, 3}) == "heads: would remove all 4 heads: at least one must stay");
+  CHECK(layer.num_heads() == 4);  // nothing changed
+  layer.prune_heads({});
+  CHECK(layer.num_heads() == 4);
+  MultiHeadAttentionConfig grouped(16, 4);
+  grouped.num_kv_heads = 2;
+  MultiHeadAttention<double> gqa(grouped);
+  CHECK(mha_test::contains(mha_test::message_of<mha::ShapeError>([&] { gqa.prune_heads({1}); }),
+                           "prune_heads: a grouped-query layer (2 key/value heads for 4 query "
+                           "heads) shares key/value heads"));
+  MultiHeadAttentionConfig bad(16, 3);
+  bad.head_dim = -2;
+  CHECK(mha_test::contains(
+      mha_test::message_of<mha::ShapeError>([&] { MultiHeadAttention<double> l(bad); }),
+      "head_dim: must be positive"));
+  bad.head_dim = 5;  // 3 heads of 5 in a 16-wide layer: allowed, H·D need not be E
+  CHECK(MultiHeadAttention<double>(bad).inner_dim() == 15);
 }

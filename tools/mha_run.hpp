@@ -32,6 +32,9 @@ IN holds:
     reads key/value head h / (H / H_kv)): always q_proj_weight [E, E], k_proj_weight
     [H_kv*D, kdim], v_proj_weight [H_kv*D, vdim] (D = E / H), in_proj_bias [E + 2*H_kv*D] (q, k,
     then v entries), bias_k and bias_v [1, 1, H_kv*D]. H_kv is the rows of k_proj_weight / D.
+  a layer whose heads were pruned (MultiHeadAttention::prune_heads): H*D != E, the heads' rows
+    of the projections and the columns of out_proj.weight [E, H*D] shrink; D is read from
+    out_proj.weight's columns / num_heads.
   query [B, L, E], key [B, S, kdim], value [B, S, vdim]  (or unbatched [L, E], [S, kdim], [S, vdim])
   key_padding_mask [B, S] ([S] unbatched), optional
   attn_mask [L, S] or [B*H, L, S] ([H, L, S] unbatched), optional

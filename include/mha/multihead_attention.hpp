@@ -86,6 +86,10 @@ struct MultiHeadAttentionConfig {
   Index kdim = 0;
   Index vdim = 0;
   Index num_kv_heads = 0;
+  // D, the width of each head; 0 means embed_dim / num_heads (PyTorch's only choice). Another D
+  // decouples the heads' total width H·D from E: q_proj_weight is then [H·D, E] and
+  // out_proj.weight [E, H·D], as a layer after prune_heads has them.
+  Index head_dim = 0;
   double dropout = 0;
   std::uint64_t seed = 0;
 
@@ -200,11 +204,16 @@ class MultiHeadAttention {
       detail::throw_argument("num_heads",
                              "must be positive, got " + std::to_string(config_.num_heads));
     }
-    if (embed % config_.num_heads != 0) {
+    if (config_.head_dim < 0) {
+      detail::throw_argument("head_dim", "must be positive (or 0 for embed_dim / num_heads), got " +
+                                             std::to_string(config_.head_dim));
+    }
+    if (config_.head_dim == 0 && embed % config_.num_heads != 0) {
       detail::throw_argument("num_heads", "embed_dim " + std::to_string(embed) +
                                               " is not divisible by num_heads " +
                                               std::to_string(config_.num_heads));
     }
+    if (config_.head_dim == 0) config_.head_dim = embed / config_.num_heads;
     if (config_.kdim < 0 || config_.vdim < 0) {
       detail::throw_argument("kdim/vdim", "must be positive (or 0 for embed_dim), got " +
                                               std::to_string(config_.kdim) + "/" +
@@ -221,19 +230,19 @@ class MultiHeadAttention {
     if (config_.num_kv_heads == 0) config_.num_kv_heads = config_.num_heads;
     if (config_.kdim == 0) config_.kdim = embed;
     if (config_.vdim == 0) config_.vdim = embed;
-    const Index kv_width = kv_dim();
+    const Index kv_width = kv_dim(), inner = inner_dim();
     if (packed_projection()) {
-      params_.in_proj_weight = Tensor<T>({3 * embed, embed});
+      params_.in_proj_weight = Tensor<T>({inner + 2 * kv_width, embed});
     } else {
-      params_.q_proj_weight = Tensor<T>({embed, embed});
+      params_.q_proj_weight = Tensor<T>({inner, embed});
       params_.k_proj_weight = Tensor<T>({kv_width, config_.kdim});
       params_.v_proj_weight = Tensor<T>({kv_width, config_.vdim});
     }
     if (config_.bias) {
-      params_.in_proj_bias = Tensor<T>({embed + 2 * kv_width});
+      params_.in_proj_bias = Tensor<T>({inner + 2 * kv_width});
       params_.out_proj_bias = Tensor<T>({embed});
     }
-    params_.out_proj_weight = Tensor<T>({embed, embed});
+    params_.out_proj_weight = Tensor<T>({embed, inner});
     if (config_.add_bias_kv) {
       params_.bias_k = Tensor<T>({1, 1, kv_width});
       params_.bias_v = Tensor<T>({1, 1, kv_width});
@@ -252,9 +261,15 @@ class MultiHeadAttention {
       detail::throw_argument("state_dict", "missing tensor 'out_proj.weight'");
     }
     if (out_weight->second.rank() != 2) {
-      detail::throw_shape("out_proj.weight", "[E, E]", out_weight->second.shape());
+      detail::throw_shape("out_proj.weight", "[E, H·D]", out_weight->second.shape());
     }
     MultiHeadAttentionConfig config(out_weight->second.dim(0), num_heads);
+    // out_proj.weight's columns are H·D: another D than E / H is a layer whose heads were pruned
+    // (a count that is no multiple of num_heads is left for load_state_dict to report).
+    const Index inner = out_weight->second.dim(1);
+    if (num_heads > 0 && inner != config.embed_dim && inner > 0 && inner % num_heads == 0) {
+      config.head_dim = inner / num_heads;
+    }
     config.add_zero_attn = add_zero_attn;
     config.bias = state.count("in_proj_bias") > 0 || state.count("out_proj.bias") > 0;
     config.add_bias_kv = state.count("bias_k") > 0 || state.count("bias_v") > 0;
@@ -278,9 +293,11 @@ class MultiHeadAttention {
       // checks of load_state_dict to report.
       const Index kv_rows = state.at("k_proj_weight").dim(0);
       const Index embed = config.embed_dim;
-      if (num_heads > 0 && embed % num_heads == 0 && embed > 0) {
-        const Index head_dim = embed / num_heads;
-        if (kv_rows % head_dim == 0 && kv_rows > 0) config.num_kv_heads = kv_rows / head_dim;
+      const Index head_dim = config.head_dim > 0                       ? config.head_dim
+                             : num_heads > 0 && embed % num_heads == 0 ? embed / num_heads
+                                                                       : 0;
+      if (head_dim > 0 && kv_rows % head_dim == 0 && kv_rows > 0) {
+        config.num_kv_heads = kv_rows / head_dim;
       }
     }
     MultiHeadAttention layer(config);
@@ -294,13 +311,13 @@ class MultiHeadAttention {
     Random random(seed);
     const Index embed = config_.embed_dim;
     if (packed_projection()) {
-      xavier_uniform(params_.in_proj_weight, embed, 3 * embed, random);
+      xavier_uniform(params_.in_proj_weight, embed, params_.in_proj_weight.dim(0), random);
     } else {
-      xavier_uniform(params_.q_proj_weight, embed, embed, random);
+      xavier_uniform(params_.q_proj_weight, embed, inner_dim(), random);
       xavier_uniform(params_.k_proj_weight, config_.kdim, kv_dim(), random);
       xavier_uniform(params_.v_proj_weight, config_.vdim, kv_dim(), random);
     }
-    linear_default_uniform(params_.out_proj_weight, embed, random);
+    linear_default_uniform(params_.out_proj_weight, inner_dim(), random);
     if (config_.bias) {
       params_.in_proj_bias.flat().setZero();
       params_.out_proj_bias.flat().setZero();
@@ -315,7 +332,9 @@ class MultiHeadAttention {
   const MultiHeadAttentionConfig& config() const { return config_; }
   Index embed_dim() const { return config_.embed_dim; }
   Index num_heads() const { return config_.num_heads; }
-  Index head_dim() const { return config_.embed_dim / config_.num_heads; }
+  Index head_dim() const { return config_.head_dim; }
+  // H·D, the heads' total width: E unless config.head_dim (or prune_heads) made it another.
+  Index inner_dim() const { return config_.num_heads * config_.head_dim; }
   // H_kv, the key/value heads (num_heads unless grouped-query attention), and their width H_kv·D.
   Index num_kv_heads() const { return config_.num_kv_heads; }
   Index kv_dim() const { return config_.num_kv_heads * head_dim(); }
@@ -470,7 +489,7 @@ class MultiHeadAttention {
     detail::check_shape("grad_output", plan.query_shape, grad_output.shape());
     detail::CoreOptions<T> core = core_options(plan, saved.options_);
     core.dropout = saved.dropout_;
-    const Index embed = config_.embed_dim, heads = config_.num_heads;
+    const Index heads = config_.num_heads;
     const Index rows = plan.batch * plan.query_len;
     const Workspace<T>& forward = saved.workspace_;
 
@@ -482,7 +501,7 @@ class MultiHeadAttention {
                              detail::Accumulate::yes);
     if (config_.bias) grads_.out_proj_bias.flat() += grad_out.colwise().sum().transpose();
     Matrix<T>& grad_attended = saved.grad_attended_;
-    grad_attended.resize(rows, embed);
+    grad_attended.resize(rows, inner_dim());
     detail::threaded_product(grad_attended, grad_out, params_.out_proj_weight.matrix(),
                              detail::Accumulate::no);
     // gated_h = gate_h attended_h: the gate's gradient is sum(grad_gated_h ∘ attended_h), and the
@@ -505,18 +524,19 @@ class MultiHeadAttention {
     T* grad_q_data;
     T* grad_k_data;
     T* grad_v_data;
-    Index q_stride = embed, kv_stride = kv_dim();
+    const Index inner = inner_dim();
+    Index q_stride = inner, kv_stride = kv_dim();
     if (plan.fused) {
-      saved.grad_qkv_.resize(rows, 3 * embed);
+      saved.grad_qkv_.resize(rows, inner + 2 * kv_dim());
       q_data = forward.qkv.data();
       grad_q_data = saved.grad_qkv_.data();
-      k_data = q_data + embed;
-      v_data = q_data + 2 * embed;
-      grad_k_data = grad_q_data + embed;
-      grad_v_data = grad_q_data + 2 * embed;
-      q_stride = kv_stride = 3 * embed;
+      k_data = q_data + bias_offset(1);
+      v_data = q_data + bias_offset(2);
+      grad_k_data = grad_q_data + bias_offset(1);
+      grad_v_data = grad_q_data + bias_offset(2);
+      q_stride = kv_stride = inner + 2 * kv_dim();
     } else {
-      saved.grad_q_.resize(rows, embed);
+      saved.grad_q_.resize(rows, inner);
       saved.grad_k_.resize(plan.batch * plan.total_keys, kv_dim());
       saved.grad_v_.resize(plan.batch * plan.total_keys, kv_dim());
       q_data = forward.q.data();
@@ -532,8 +552,8 @@ class MultiHeadAttention {
         plan.kernel, plan.batch, heads, head_layout(q_data, plan.query_len, q_stride),
         kv_head_layout(k_data, plan.total_keys, kv_stride),
         kv_head_layout(v_data, plan.total_keys, kv_stride),
-        head_layout(attended, plan.query_len, embed),
-        head_layout(grad_attended_data, plan.query_len, embed), saved.logsumexp_.data(),
+        head_layout(attended, plan.query_len, inner),
+        head_layout(grad_attended_data, plan.query_len, inner), saved.logsumexp_.data(),
         head_layout(grad_q_data, plan.query_len, q_stride),
         kv_head_layout(grad_k_data, plan.total_keys, kv_stride),
         kv_head_layout(grad_v_data, plan.total_keys, kv_stride), core, saved.workspace_.kernel);
@@ -556,9 +576,10 @@ class MultiHeadAttention {
       if (config_.bias) grads_.in_proj_bias.flat() += saved.grad_qkv_.colwise().sum().transpose();
       Tensor<T>* input_grads[] = {&grads.query, &grads.key, &grads.value};
       for (int which = 0; which < 3; ++which) {
-        detail::threaded_product(input_grads[which]->matrix(),
-                                 saved.grad_qkv_.middleCols(which * embed, embed),
-                                 weight_rows(which), detail::Accumulate::no);
+        detail::threaded_product(
+            input_grads[which]->matrix(),
+            saved.grad_qkv_.middleCols(bias_offset(which), projection_width(which)),
+            weight_rows(which), detail::Accumulate::no);
       }
       return grads;
     }
@@ -612,6 +633,75 @@ class MultiHeadAttention {
   // sequence of forward_train calls. (Construction seeds it from config.seed.)
   void seed_dropout(std::uint64_t seed) { dropout_random_ = Random(seed ^ kDropoutSeedSalt); }
 
+  // Removes heads from the parameters ("Are Sixteen Heads Really Better than One?"): their rows
+  // of W_q, W_k, W_v, of the in-projection bias and of bias_k/bias_v, and their columns of
+  // out_proj.weight. `heads` are indices in [0, H), in any order, each once; at least one head
+  // must stay. The layer then computes what it computed with those heads gated to 0
+  // (ForwardOptions::head_gate), with H' heads of the same D: q_proj_weight becomes [H'·D, E] and
+  // out_proj.weight [E, H'·D] (in_proj_weight [3·H'·D, E] if packed), under the same names, so a
+  // pruned layer's state_dict loads back with from_state_dict. The kept heads' per-head weights
+  // are unchanged; averaged weights now average over H' heads. Gradients are dropped (the next
+  // forward_train, zero_grad or parameters() allocates them in the new shapes), and ParameterRefs
+  // taken before (an optimiser's) point to the old shapes: take them again. Refused for
+  // grouped-query layers, whose query heads share key/value heads.
+  void prune_heads(const std::vector<Index>& heads) {
+    const Index count = config_.num_heads, width = head_dim();
+    if (num_kv_heads() != count) {
+      detail::throw_argument("prune_heads",
+                             "a grouped-query layer (" + std::to_string(num_kv_heads()) +
+                                 " key/value heads for " + std::to_string(count) +
+                                 " query heads) shares key/value heads between query heads: "
+                                 "gate its heads instead (ForwardOptions::head_gate)");
+    }
+    std::vector<bool> removed(static_cast<std::size_t>(count), false);
+    for (const Index h : heads) {
+      if (h < 0 || h >= count) {
+        detail::throw_argument("heads", "expected head indices in [0, " + std::to_string(count) +
+                                            "), got " + std::to_string(h));
+      }
+      if (removed[static_cast<std::size_t>(h)]) {
+        detail::throw_argument("heads", "head " + std::to_string(h) + " is listed twice");
+      }
+      removed[static_cast<std::size_t>(h)] = true;
+    }
+    std::vector<Index> kept;
+    for (Index h = 0; h < count; ++h) {
+      if (!removed[static_cast<std::size_t>(h)]) kept.push_back(h);
+    }
+    if (kept.empty()) {
+      detail::throw_argument(
+          "heads", "would remove all " + std::to_string(count) + " heads: at least one must stay");
+    }
+    if (heads.empty()) return;
+
+    MultiHeadAttentionConfig pruned = config_;
+    pruned.num_heads = pruned.num_kv_heads = static_cast<Index>(kept.size());
+    pruned.head_dim = width;
+    MultiHeadAttention next(pruned);  // the parameters' new shapes
+    for (std::size_t i = 0; i < kept.size(); ++i) {
+      const Index from = kept[i] * width, to = static_cast<Index>(i) * width;
+      for (int which = 0; which < 3; ++which) {
+        next.projection(next.params_, which).middleRows(to, width) =
+            weight_rows(which).middleRows(from, width);
+        if (config_.bias) {
+          next.params_.in_proj_bias.flat().segment(next.bias_offset(which) + to, width) =
+              params_.in_proj_bias.flat().segment(bias_offset(which) + from, width);
+        }
+      }
+      if (config_.add_bias_kv) {
+        next.params_.bias_k.flat().segment(to, width) = params_.bias_k.flat().segment(from, width);
+        next.params_.bias_v.flat().segment(to, width) = params_.bias_v.flat().segment(from, width);
+      }
+      next.params_.out_proj_weight.matrix().middleCols(to, width) =
+          params_.out_proj_weight.matrix().middleCols(from, width);
+    }
+    if (config_.bias) next.params_.out_proj_bias = params_.out_proj_bias;
+    config_ = next.config_;
+    params_ = std::move(next.params_);
+    grads_ = ParameterSet();
+    has_grads_ = false;
+  }
+
   // ---- Decoding with a KV cache (see kv_cache.hpp) ----
 
   // A cache for this layer's keys and values: `batch` sequences of at most `capacity` tokens, or
@@ -647,6 +737,7 @@ class MultiHeadAttention {
                           const ForwardOptions<T>& options = decode_options(),
                           const std::vector<Index>& new_tokens = {}) const {
     const Index embed = config_.embed_dim, heads = config_.num_heads, width = kv_dim();
+    const Index inner = inner_dim();
     const Index batch = cache.batch();
     const Index steps = check_decode(x, cache, options, new_tokens);
     const Kernel kernel = detail::resolve_kernel(options.kernel, false);
@@ -671,18 +762,18 @@ class MultiHeadAttention {
                                detail::Accumulate::no);
       add_bias(*projected[which], which);
     }
-    cache.attended_.resize(rows, embed);
+    cache.attended_.resize(rows, inner);
     cache.attended_.setZero();
 
     for (Index b = 0; b < batch; ++b) {
       const Index count = new_tokens.empty() ? steps : new_tokens[static_cast<std::size_t>(b)];
       if (count == 0) continue;
-      T* queries = cache.queries_.data() + b * steps * embed;
+      T* queries = cache.queries_.data() + b * steps * inner;
       T* keys = cache.new_keys_.data() + b * steps * width;
       T* values = cache.new_values_.data() + b * steps * width;
       if (options.rope) {
         cache.rope_table_.fill(*options.rope, rotary_dim, cache.position(b), count);
-        detail::rotate_heads(queries, count, embed, heads, head_dim(), cache.rope_table_, false);
+        detail::rotate_heads(queries, count, inner, heads, head_dim(), cache.rope_table_, false);
         detail::rotate_heads(keys, count, width, num_kv_heads(), head_dim(), cache.rope_table_,
                              false);
       }
@@ -692,10 +783,10 @@ class MultiHeadAttention {
       const Index start = cache.start_[static_cast<std::size_t>(b)];
       const Index total_keys = first + count - start;
       core.causal_cols = total_keys;
-      detail::attention<T>(kernel, 1, heads, head_layout<const T>(queries, count, embed),
+      detail::attention<T>(kernel, 1, heads, head_layout<const T>(queries, count, inner),
                            kv_head_layout<const T>(cache.key_row(b, start), total_keys, width),
                            kv_head_layout<const T>(cache.value_row(b, start), total_keys, width),
-                           head_layout(cache.attended_.data() + b * steps * embed, count, embed),
+                           head_layout(cache.attended_.data() + b * steps * inner, count, inner),
                            core, nullptr, cache.kernel_);
       cache.advance(b, count);
     }
@@ -888,35 +979,36 @@ class MultiHeadAttention {
   }
   // Where projection `which` (0, 1, 2 for q, k, v) starts in in_proj_bias, and its width.
   Index bias_offset(int which) const {
-    return which == 0 ? 0 : config_.embed_dim + (which - 1) * kv_dim();
+    return which == 0 ? 0 : inner_dim() + (which - 1) * kv_dim();
   }
-  Index projection_width(int which) const { return which == 0 ? config_.embed_dim : kv_dim(); }
+  Index projection_width(int which) const { return which == 0 ? inner_dim() : kv_dim(); }
 
   // The forward pass proper; logsumexp is null or (B, H, L) for the flash kernel's backward.
   void run_forward(const Plan& plan, const detail::CoreOptions<T>& core,
                    const TensorView<const T>& query, const TensorView<const T>& key,
                    const TensorView<const T>& value, const ForwardOptions<T>& options,
                    Workspace<T>& workspace, ForwardResult<T>& result, T* logsumexp) const {
-    const Index embed = config_.embed_dim, heads = config_.num_heads;
+    const Index heads = config_.num_heads;
     const Index batch = plan.batch, query_len = plan.query_len, total_keys = plan.total_keys;
     T* q_data;
     T* k_data;
     T* v_data;
-    Index q_stride = embed, kv_stride = kv_dim();
+    const Index inner = inner_dim();
+    Index q_stride = inner, kv_stride = kv_dim();
     if (plan.fused) {
       // [B*L, 3E]: heads read q, k and v at column offsets 0, E and 2E.
       Matrix<T>& qkv = workspace.qkv;
-      qkv.resize(batch * query_len, 3 * embed);
+      qkv.resize(batch * query_len, inner + 2 * kv_dim());
       detail::threaded_product(qkv, query.matrix(), params_.in_proj_weight.matrix().transpose(),
                                detail::Accumulate::no);
       if (config_.bias) qkv.rowwise() += params_.in_proj_bias.flat().transpose();
       q_data = qkv.data();
-      k_data = q_data + embed;
-      v_data = q_data + 2 * embed;
-      q_stride = kv_stride = 3 * embed;
+      k_data = q_data + bias_offset(1);
+      v_data = q_data + bias_offset(2);
+      q_stride = kv_stride = inner + 2 * kv_dim();
     } else {
       // q [B*L, E]; k, v [B*S', E] with the extra rows after each batch's S projected rows.
-      workspace.q.resize(batch * query_len, embed);
+      workspace.q.resize(batch * query_len, inner);
       detail::threaded_product(workspace.q, query.matrix(), weight_rows(0).transpose(),
                                detail::Accumulate::no);
       add_bias(workspace.q, 0);
@@ -936,12 +1028,12 @@ class MultiHeadAttention {
                                       ? result.attn_weights
                                       : workspace.per_head_weights;
     if (options.need_weights) per_head_weights.resize({batch, heads, query_len, total_keys});
-    workspace.attended.resize(batch * query_len, embed);
+    workspace.attended.resize(batch * query_len, inner);
     detail::attention<T>(
         plan.kernel, batch, heads, head_layout<const T>(q_data, query_len, q_stride),
         kv_head_layout<const T>(k_data, total_keys, kv_stride),
         kv_head_layout<const T>(v_data, total_keys, kv_stride),
-        head_layout(workspace.attended.data(), query_len, embed), core,
+        head_layout(workspace.attended.data(), query_len, inner), core,
         options.need_weights ? per_head_weights.data() : nullptr, workspace.kernel, logsumexp);
 
     const Matrix<T>& heads_output = gate_heads(options.head_gate, workspace);
@@ -1082,8 +1174,10 @@ class MultiHeadAttention {
   auto projection(Set& set, int which) const {
     using Map = Eigen::Map<std::conditional_t<std::is_const_v<Set>, const Matrix<T>, Matrix<T>>>;
     const Index embed = config_.embed_dim;
-    if (packed_projection())
-      return Map(set.in_proj_weight.data() + which * embed * embed, embed, embed);
+    if (packed_projection()) {
+      return Map(set.in_proj_weight.data() + bias_offset(which) * embed, projection_width(which),
+                 embed);
+    }
     auto& weight = which == 0   ? set.q_proj_weight
                    : which == 1 ? set.k_proj_weight
                                 : set.v_proj_weight;
