@@ -34,6 +34,12 @@ std::vector<Setup> setups() {
   modern.rope = modern.alibi = modern.softcap = true;
   modern.window = 5;
   all.push_back(modern);
+  // Four query heads per key/value head, with a window and without ALiBi.
+  Setup grouped{"GQA 8/2 + RoPE + window + softcap", MultiHeadAttentionConfig(32, 8)};
+  grouped.config.num_kv_heads = 2;
+  grouped.rope = grouped.softcap = true;
+  grouped.window = 6;
+  all.push_back(grouped);
   Setup mqa{"multi-query, interleaved RoPE, no bias", MultiHeadAttentionConfig(24, 3)};
   mqa.config.num_kv_heads = 1;
   mqa.config.bias = false;
@@ -184,30 +190,33 @@ TEMPLATE_TEST_CASE("a batch of sequences of different lengths decodes without pa
 TEMPLATE_TEST_CASE("a sliding-window cache keeps only the window and decodes as the full forward",
                    "[decode]", float, double) {
   using T = TestType;
-  Setup setup = setups()[1];  // window 5 with GQA, RoPE, ALiBi, softcap
-  MultiHeadAttention<T> layer(setup.config);
-  randomise(layer, 41);
-  const auto options = options_for<T>(setup, layer);
-  const Index L = 40;
-  const auto x = mha_test::random_tensor<T>({2, L, layer.embed_dim()}, 42);
-  const auto full = layer.forward(x, options).output;
-  // capacity 2w: compaction every few steps; chunks up to capacity - w = 5 tokens.
-  for (const auto& chunks : {std::vector<Index>{1}, std::vector<Index>{5, 2, 3}}) {
-    auto cache = layer.make_kv_cache(2, 10, 5);
-    CHECK(cache.sliding());
-    const auto decoded = decode_in_chunks(layer, cache, x, options, chunks);
-    check_decoded(decoded, full);
-    CHECK(cache.position(0) == L);
-    CHECK(cache.length(0) == 5);
-    // The kept keys are the last five tokens' (rotated at their positions): rerun those through a
-    // fresh cache from their positions on and compare... the simplest witness is their count.
-    CHECK(cache.keys(1).shape() == mha::Shape{5, layer.kv_dim()});
+  // window 5 with GQA, RoPE, ALiBi, softcap, gates; window 6 with GQA 8/2
+  for (const auto& setup : {setups()[1], setups()[2]}) {
+    INFO(setup.name);
+    const Index w = setup.window;
+    MultiHeadAttention<T> layer(setup.config);
+    randomise(layer, 41);
+    const auto options = options_for<T>(setup, layer);
+    const Index L = 40;
+    const auto x = mha_test::random_tensor<T>({2, L, layer.embed_dim()}, 42);
+    const auto full = layer.forward(x, options).output;
+    // capacity 2w: compaction every few steps; chunks up to capacity - w = w tokens.
+    for (const auto& chunks : {std::vector<Index>{1}, std::vector<Index>{w, 2, 3}}) {
+      auto cache = layer.make_kv_cache(2, 2 * w, w);
+      CHECK(cache.sliding());
+      const auto decoded = decode_in_chunks(layer, cache, x, options, chunks);
+      check_decoded(decoded, full);
+      CHECK(cache.position(0) == L);
+      CHECK(cache.length(0) == w);
+      CHECK(cache.keys(1).shape() == mha::Shape{w, layer.kv_dim()});
+    }
+    // A narrower window than the cache keeps is fine.
+    auto narrow = options;
+    narrow.window.left = 3;
+    auto cache = layer.make_kv_cache(2, 2 * w, w);
+    check_decoded(decode_in_chunks(layer, cache, x, narrow, {1, 2}),
+                  layer.forward(x, narrow).output);
   }
-  // A narrower window than the cache keeps is fine; a wider one is refused.
-  auto narrow = options;
-  narrow.window.left = 3;
-  auto cache = layer.make_kv_cache(2, 10, 5);
-  check_decoded(decode_in_chunks(layer, cache, x, narrow, {2}), layer.forward(x, narrow).output);
 }
 
 TEMPLATE_TEST_CASE("rewinding drops the last tokens, and decoding goes on from there", "[decode]",
