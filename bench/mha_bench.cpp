@@ -365,7 +365,7 @@ BENCHMARK(window)
 BENCHMARK(decode)
     ->Name("decode")
     ->ArgNames({"B", "H_kv", "context"})
-    ->ArgsProduct({{1, 8}, {16, 8, 4, 2, 1}, {2048}})
+    ->ArgsProduct({{1, 8}, {16, 8, 4, 2, 1}, {16, 2048}})
     ->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(prefill, prefill, false)
     ->Name("prefill/all_at_once")
