@@ -140,8 +140,10 @@ void random_masks(const Trial& trial, Index heads, mha::Random& random,
     options.window.left = static_cast<Index>(random.uniform() * 4) - 1;
     options.window.right = static_cast<Index>(random.uniform() * 4) - 1;
     options.window.alignment = options.causal_alignment;
+    options.window.dilation = 1 + static_cast<Index>(random.uniform() * 3);
     description += " window " + std::to_string(options.window.left) + "/" +
-                   std::to_string(options.window.right);
+                   std::to_string(options.window.right) + " dilation " +
+                   std::to_string(options.window.dilation);
   }
 }
 

@@ -177,36 +177,15 @@ TEST_CASE("mha_run refuses a grad_output that is not the shape or dtype of outpu
 TEST_CASE("mha_run --help documents the contract", "[mha_run]") {
   const Run run = run_tool("--help");
   CHECK(run.exit_code == 0);
-  for (const char* word : {"num_heads",
-                           "key_padding_mask",
-                           "attn_mask",
-                           "need_weights",
-                           "average_attn_weights",
-                           "is_causal",
-                           "add_zero_attn",
-                           "attn_weights",
-                           "grad_output",
-                           "grad.query",
-                           "grad.key",
-                           "grad.value",
-                           "grad.<name>",
-                           "num_kv_heads",
-                           "[H_kv*D, kdim]",
-                           "[E + 2*H_kv*D]",
-                           "causal_alignment",
-                           "top_left",
-                           "bottom_right",
-                           "window_left",
-                           "window_right",
-                           "alibi",
-                           "alibi_slopes",
-                           "softcap",
-                           "rope_base",
-                           "rope_interleaved",
-                           "rope_dim",
-                           "head_mask",
-                           "grad.head_mask",
-                           "i + S - L"}) {
+  for (
+      const char* word :
+      {"num_heads",      "key_padding_mask", "attn_mask",    "need_weights", "average_attn_weights",
+       "is_causal",      "add_zero_attn",    "attn_weights", "grad_output",  "grad.query",
+       "grad.key",       "grad.value",       "grad.<name>",  "num_kv_heads", "[H_kv*D, kdim]",
+       "[E + 2*H_kv*D]", "causal_alignment", "top_left",     "bottom_right", "window_left",
+       "window_right",   "window_dilation",  "alibi",        "alibi_slopes", "softcap",
+       "rope_base",      "rope_interleaved", "rope_dim",     "head_mask",    "grad.head_mask",
+       "i + S - L"}) {
     CHECK(run.out.find(word) != std::string::npos);
   }
 }
@@ -279,6 +258,8 @@ TEST_CASE("mha_run refuses bad window, alignment, ALiBi, softcap and rotary meta
     }
   }
   refused_with("alibi", "2", "metadata 'alibi': expected \"0\" or \"1\", got \"2\"");
+  refused_with("window_dilation", "0",
+               "metadata 'window_dilation': expected a positive integer, got \"0\"");
   for (const std::string value : {"0", "-10", "nan", "inf", "1e999", "ten", ""}) {
     refused_with("rope_base", value,
                  "metadata 'rope_base': expected a finite number > 0, got \"" + value + "\"");
@@ -317,6 +298,7 @@ TEST_CASE("mha_run refuses bad window, alignment, ALiBi, softcap and rotary meta
                                                         {"softcap", "0"},
                                                         {"softcap", "2.5e1"},
                                                         {"rope_base", "1e4"},
+                                                        {"window_dilation", "3"},
                                                         {"alibi", "1"}}) {
     auto file = original;
     file.metadata[key] = value;

@@ -133,6 +133,7 @@ Named<T> library_gradients(const mha::io::SafetensorsFile& in, bool shared) {
   options.window.left = std::stol(metadata_text(in, "window_left", "-1"));
   options.window.right = std::stol(metadata_text(in, "window_right", "-1"));
   options.window.alignment = options.causal_alignment;
+  options.window.dilation = std::stol(metadata_text(in, "window_dilation", "1"));
   if (in.tensors.count("alibi_slopes") == 1) {
     const auto slopes = mha::io::to_tensor<T>(in.at("alibi_slopes"), "alibi_slopes");
     options.alibi_slopes.assign(slopes.data(), slopes.data() + slopes.size());
@@ -425,6 +426,25 @@ TEST_CASE("the window, ALiBi and softcap fixtures are present and cover each opt
   CHECK(grouped >= 3);
   CHECK(extra_columns >= 4);
   CHECK(unbatched >= 2);
+}
+
+// The window_dilated_* fixtures: dilation with and without bounds, both dtypes, gradients across
+// flash blocks.
+TEST_CASE("the dilated-window fixtures are present", "[reference][modern]") {
+  int cases = 0, with_gradients = 0, unbounded = 0;
+  for (const auto& name : fixture_names()) {
+    if (name.rfind("window_dilated_", 0) != 0) continue;
+    INFO("fixture " << name);
+    const auto in = read_fixture(name, "in");
+    REQUIRE(std::stol(metadata_text(in, "window_dilation", "1")) > 1);
+    ++cases;
+    with_gradients += in.tensors.count("grad_output") == 1;
+    unbounded += metadata_text(in, "window_left", "-1") == "-1" &&
+                 metadata_text(in, "window_right", "-1") == "-1";
+  }
+  CHECK(cases >= 4);
+  CHECK(with_gradients >= 2);
+  CHECK(unbounded >= 1);
 }
 
 // The rope_* fixtures also go through every test above; this checks that they cover both layouts,

@@ -59,6 +59,8 @@ IN holds:
       c - window_left <= j <= c + window_right (window_left w - 1 with window_right 0 is a causal
       sliding window of w keys). Combines with is_causal and the masks: a key is visible only
       where all of them allow it.
+    window_dilation: a positive integer d (default 1): a dilated window, where only keys at a
+      distance |c - j| that is a multiple of d are visible, within window_left and window_right.
     alibi: "0" (default) or "1": ALiBi with the paper's slopes for H heads (2^(-8 (h + 1) / H)
       for H a power of two, else BLOOM's rule), adding -slope_h * |c - j| to head h's scores.
     alibi_slopes [H] (tensor, query's dtype), optional: ALiBi with these slopes instead. With it
@@ -308,6 +310,8 @@ io::SafetensorsFile run_as(const io::SafetensorsFile& in) {
   options.window.left = window_side(in, "window_left");
   options.window.right = window_side(in, "window_right");
   options.window.alignment = options.causal_alignment;
+  const Index dilation = positive_integer(in, "window_dilation", false);
+  options.window.dilation = dilation == 0 ? 1 : dilation;
   options.alibi_slopes = alibi<T>(in, layer.num_heads());
   options.softcap = softcap<T>(in);
   options.rope = rope(in);

@@ -257,6 +257,7 @@ AttentionProblem<T> attention_problem(const TensorView<const T>& query,
                                          problem.query_len, problem.key_len, accepted);
   core.causal = options.causal;
   core.causal_cols = problem.key_len;
+  check_window(options.window);
   core.window = options.window;
   core.alibi_slopes = checked_alibi_slopes(options.alibi_slopes, problem.heads);
   core.alibi_alignment = options.alibi_alignment;

@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <string>
 #include <utility>
 
 #include "mha/tensor.hpp"
@@ -38,13 +39,27 @@ enum class Alignment { top_left, bottom_right };
 // a negative size is unbounded on that side (FlashAttention's -1). left = w - 1, right = 0 is a
 // causal sliding window of w keys (Mistral). It combines with causal masking and masks: a key
 // is visible only where all of them allow it. Keys from bias_k and zero attention stay visible.
+// dilation d > 1 makes it dilated (strided, as Longformer's dilated windows): within those bounds
+// only keys at a distance |c - j| that is a multiple of d are visible (the diagonal always is).
 struct Window {
   Index left = -1;
   Index right = -1;
   Alignment alignment = Alignment::top_left;
+  Index dilation = 1;
 
-  bool active() const { return left >= 0 || right >= 0; }
+  bool active() const { return left >= 0 || right >= 0 || dilation > 1; }
 };
+
+namespace detail {
+
+inline void check_window(const Window& window) {
+  if (window.dilation < 1) {
+    throw_argument("window.dilation",
+                   "must be at least 1 (1 = every key), got " + std::to_string(window.dilation));
+  }
+}
+
+}  // namespace detail
 
 inline const char* mask_kind_name(MaskKind kind) {
   switch (kind) {

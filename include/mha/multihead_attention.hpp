@@ -886,6 +886,7 @@ class MultiHeadAttention {
       }
     }
     check_head_gate(options.head_gate);
+    detail::check_window(options.window);
     if (!options.attn_mask.empty() || !options.key_padding_mask.empty()) {
       detail::throw_argument("decode",
                              "takes no attn_mask or key_padding_mask: the cache decides which keys "
@@ -938,6 +939,7 @@ class MultiHeadAttention {
     plan.kernel = detail::resolve_kernel(options.kernel, options.need_weights);
     if (options.rope) detail::checked_rotary_dim(*options.rope, head_dim());
     check_head_gate(options.head_gate);
+    detail::check_window(options.window);
     // Self-attention without extra key rows projects q, k and v in one [B*L, E] x [E, 3E] GEMM.
     plan.fused = packed_projection() && !config_.add_bias_kv && !config_.add_zero_attn &&
                  query.data() == key.data() && key.data() == value.data() &&

@@ -134,6 +134,10 @@ Rotary embeddings (the rope_* cases, rope_grad_* with gradients; random cases ma
     express the rotation, so these cases are checked against naive_mha only (in float64, 1e-12 of
     scale), which a flipped sign or a shifted position fails by several units.
 
+Dilated windows (the window_dilated_* cases): metadata window_dilation d blocks, within the window's
+bounds, every key at a distance |c - j| that is no multiple of d; folded into attn_mask like the window
+(so checked against torch's module) and decided element by element in naive_mha.
+
 Head gates (the head_mask_* cases, head_mask_grad_* with gradients; random cases made so by --gate-share):
 
   * A head_mask tensor [H] in IN (no metadata key): gate m_h multiplies head h's weights after the
@@ -270,7 +274,7 @@ class Spec:
                  attn_mask=None, attn_inf=False, kpm=None, kpm_inf=False, is_causal=False,
                  need_weights=True, average=True, meta="full", seed=None, kernel=None, grad=False,
                  num_kv_heads=None, causal_alignment=None, window=None, alibi=None, softcap=None,
-                 rope=None, head_mask=None):
+                 rope=None, head_mask=None, dilation=None):
         assert dtype in ("f32", "f64")
         assert attn_mask in (None, "bool2d", "bool3d", "float2d", "float3d")
         assert kpm in (None, "bool", "float")
@@ -314,6 +318,10 @@ class Spec:
             assert rotary_dim is not None or D % 2 == 0, name
             rope = (float(base), bool(interleaved), rotary_dim)
         self.rope = rope
+        # A dilated window: None (no metadata key) or d >= 1, keys at a distance |c - j| that is no
+        # multiple of d blocked (within the window's bounds).
+        assert dilation is None or int(dilation) >= 1, name
+        self.dilation = dilation
         # A head_mask tensor [H] (per-head gates on the heads' outputs): None or "random"; its values
         # (self.gates) are drawn by build_case from a stream of their own.
         assert head_mask in (None, "random"), name
@@ -324,7 +332,8 @@ class Spec:
     def modern(self):
         """Sets a window, causal alignment, ALiBi or softcap: computed by written_out_mha."""
         return (self.causal_alignment is not None or self.window is not None or self.alibi is not None
-                or self.softcap is not None or self.rope is not None or self.head_mask is not None)
+                or self.softcap is not None or self.rope is not None or self.head_mask is not None
+                or self.dilation is not None)
 
     @property
     def foldable(self):
@@ -360,6 +369,8 @@ class Spec:
             modern["alibi"] = "1"  # "tensor": an alibi_slopes tensor in IN instead
         if self.softcap is not None:
             modern["softcap"] = repr(float(self.softcap))
+        if self.dilation is not None:
+            modern["window_dilation"] = str(self.dilation)
         if self.rope is not None:
             base, interleaved, rotary_dim = self.rope
             modern["rope_base"] = repr(base)
@@ -406,6 +417,8 @@ class Spec:
                          f"{'' if rotary_dim is None else ',dim=' + str(rotary_dim)})")
         if self.head_mask is not None:
             parts.append("head_mask")
+        if self.dilation is not None:
+            parts.append(f"dilation={self.dilation}")
         if not self.need_weights:
             parts.append("no-weights")
         elif not self.average:
@@ -460,6 +473,8 @@ def position_blocked(spec):
             blocked |= j < c - left
         if right >= 0:
             blocked |= j > c + right
+    if spec.dilation is not None:
+        blocked |= (c - j) % spec.dilation != 0
     return blocked
 
 
@@ -631,7 +646,7 @@ def _additive_mask(spec, attn_mask, kpm, tdt):
     if spec.alibi is not None:
         bias = torch.from_numpy(alibi_bias(spec, spec.slopes)).to(tdt).reshape(1, H, L, S)
         total = bias if total is None else total + bias
-    if spec.is_causal or spec.window is not None:
+    if spec.is_causal or spec.window is not None or spec.dilation is not None:
         base = torch.zeros((L, S), dtype=tdt) if total is None else total
         total = base.masked_fill(torch.from_numpy(position_blocked(spec)), float("-inf"))
     return None if total is None else total.expand(B, H, L, S)
@@ -971,6 +986,8 @@ def naive_mha(spec, p, query, key, value, attn_mask, kpm):
             left, right = spec.window
             if (left >= 0 and j < c - left) or (right >= 0 and j > c + right):
                 total = -math.inf
+        if spec.dilation is not None and abs(c - j) % spec.dilation != 0:
+            total = -math.inf
         if spec.alibi is not None:
             total -= float(spec.slopes[h]) * abs(c - j)
         return total
@@ -1582,6 +1599,34 @@ def rope_cases():
     ]
 
 
+def dilation_cases():
+    """Dilated windows (window_dilated_*; *_grad_* with gradients): only keys at a distance |c - j|
+    that is a multiple of window_dilation are visible, within the window's bounds."""
+    def C(name, description, **kw):
+        return Spec(name, description, **kw)
+
+    def G(name, description, **kw):
+        return Spec(name, description, grad=True, **kw)
+    return [
+        C("window_dilated_f32_causal_self_per_head", "causal window (6, 0) dilated by 2, self-attention, "
+          "per-head weights",
+          dtype="f32", B=2, L=8, E=8, H=2, self_attn=True, is_causal=True, window=(6, 0), dilation=2,
+          average=False),
+        C("window_dilated_f64_unbounded_bottom_right_kpm", "dilation 3 with no bounds, bottom-right, L < S, "
+          "bool kpm, add_zero_attn",
+          dtype="f64", B=2, L=4, S=9, E=8, H=2, dilation=3, causal_alignment="bottom_right", kpm="bool",
+          add_zero_attn=True),
+        G("window_dilated_grad_f32_tiles_flash", "L=70 (several flash blocks), causal, window (40, 0) dilated "
+          "by 4, GQA 4/2, RoPE, need_weights=0",
+          dtype="f32", B=1, L=70, E=16, H=4, num_kv_heads=2, self_attn=True, is_causal=True, window=(40, 0),
+          dilation=4, rope=(10000.0, False, None), need_weights=False),
+        G("window_dilated_grad_f64_band_bias_kv", "band (2, 3) dilated by 2, add_bias_kv, ALiBi paper, "
+          "per head",
+          dtype="f64", B=2, L=5, S=7, E=8, H=2, window=(2, 3), dilation=2, add_bias_kv=True, alibi="paper",
+          average=False),
+    ]
+
+
 def head_mask_cases():
     """Per-head gates (head_mask_*; head_mask_grad_* with gradients): a head_mask tensor [H] whose
     gate m_h multiplies head h's weights and so its output (Hugging Face's head_mask); gates of 0
@@ -1771,7 +1816,7 @@ def main(argv=None):
 
     specs = random_specs(args.random, args.seed, args.gqa_share, args.modern_share, args.rope_share,
                          args.gate_share) \
-        if args.random is not None else fixed_cases() + gradient_cases() + gqa_cases() + modern_cases() + rope_cases() + head_mask_cases()
+        if args.random is not None else fixed_cases() + gradient_cases() + gqa_cases() + modern_cases() + rope_cases() + head_mask_cases() + dilation_cases()
     if args.only:
         specs = [s for s in specs if any(s.name.startswith(p) for p in args.only)]
     names = [s.name for s in specs]

@@ -180,6 +180,14 @@ struct CoreOptions {
       for (Index j = std::max(end, col0); j < col_end; ++j) {
         tile(i, j - col0) = -std::numeric_limits<T>::infinity();
       }
+      if (window.dilation > 1) {
+        const Index centre = window_centre(query_len, row0 + i);
+        for (Index j = std::max(begin, col0); j < std::min(end, col_end); ++j) {
+          if ((centre - j) % window.dilation != 0) {
+            tile(i, j - col0) = -std::numeric_limits<T>::infinity();
+          }
+        }
+      }
     }
   }
 
