@@ -791,10 +791,7 @@ class MultiHeadAttention {
       cache.advance(b, count);
     }
 
-    for (Index h = 0; h < static_cast<Index>(options.head_gate.size()); ++h) {
-      cache.attended_.middleCols(h * head_dim(), head_dim()) *=
-          options.head_gate[static_cast<std::size_t>(h)];
-    }
+    scale_heads(cache.attended_, options.head_gate);
     ForwardResult<T> result;
     result.output.resize(x.shape());
     auto output = result.output.matrix();
@@ -830,10 +827,15 @@ class MultiHeadAttention {
   const Matrix<T>& gate_heads(const std::vector<T>& gate, Workspace<T>& workspace) const {
     if (gate.empty()) return workspace.attended;
     workspace.gated = workspace.attended;
-    for (Index h = 0; h < config_.num_heads; ++h) {
-      workspace.gated.middleCols(h * head_dim(), head_dim()) *= gate[static_cast<std::size_t>(h)];
-    }
+    scale_heads(workspace.gated, gate);
     return workspace.gated;
+  }
+
+  // Head h's columns of the heads' outputs [rows, H·D] times gate[h] (nothing for no gate).
+  void scale_heads(Matrix<T>& heads_output, const std::vector<T>& gate) const {
+    for (std::size_t h = 0; h < gate.size(); ++h) {
+      heads_output.middleCols(static_cast<Index>(h) * head_dim(), head_dim()) *= gate[h];
+    }
   }
 
   // decode's checks, before anything changes; returns n.
@@ -1074,8 +1076,12 @@ class MultiHeadAttention {
     const Index rotary_dim = detail::checked_rotary_dim(rope, head_dim());
     const Index query_shift =
         options.causal_alignment == Alignment::bottom_right ? plan.key_len - plan.query_len : 0;
-    workspace.rope_queries.fill(rope, rotary_dim, query_shift, plan.query_len);
-    workspace.rope_keys.fill(rope, rotary_dim, 0, plan.key_len);
+    // backward (inverse) runs on the saved workspace whose tables forward_train filled for the
+    // same plan and options: only the forward computes the angles.
+    if (!inverse) {
+      workspace.rope_queries.fill(rope, rotary_dim, query_shift, plan.query_len);
+      workspace.rope_keys.fill(rope, rotary_dim, 0, plan.key_len);
+    }
     for (Index b = 0; b < plan.batch; ++b) {
       detail::rotate_heads(q + b * plan.query_len * q_stride, plan.query_len, q_stride,
                            config_.num_heads, head_dim(), workspace.rope_queries, inverse);
