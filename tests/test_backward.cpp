@@ -145,6 +145,24 @@ void random_masks(const Trial& trial, Index heads, mha::Random& random,
                    std::to_string(options.window.right) + " dilation " +
                    std::to_string(options.window.dilation);
   }
+  if (random.uniform() < 0.3) {
+    options.pattern.alignment = options.causal_alignment;
+    for (Index position = 0; position < std::max(L, S); ++position) {
+      if (random.uniform() < 0.2) options.pattern.global_tokens.push_back(position);
+    }
+    description += " global tokens " + std::to_string(options.pattern.global_tokens.size());
+    // (No block layout for bottom-right queries at negative positions, which it refuses.)
+    if (random.uniform() < 0.6 &&
+        !(options.pattern.alignment == mha::Alignment::bottom_right && L > S)) {
+      const Index block = 1 + static_cast<Index>(random.uniform() * 3);
+      const Index last = options.pattern.alignment == mha::Alignment::bottom_right ? S - 1 : L - 1;
+      const mha::Shape shape = {last / block + 1, (S + block - 1) / block};
+      options.pattern.block_size = block;
+      options.pattern.block_layout =
+          flags(random.uniform() < 0.5 ? shape : mha::Shape{heads, shape[0], shape[1]}, 0.5);
+      description += " block layout " + mha::to_string(options.pattern.block_layout.shape());
+    }
+  }
 }
 
 // ||a - b|| / ||b||, or ||a|| when b is 0 (a gradient that must vanish).

@@ -2,7 +2,9 @@
 // backward, within float rounding for every option (dropout included), with block sizes small
 // enough that every path (several query and key blocks, partial blocks, blocks skipped by causal
 // masking or by masks) runs.
+#include <algorithm>
 #include <limits>
+#include <vector>
 
 #include "helpers.hpp"
 
@@ -21,8 +23,39 @@ struct Case {
   MaskKind padding_kind;
   Causal causal;
   mha::Window window;
+  mha::SparsePattern pattern;
   Index query_block, key_block;
 };
+
+// A random global-token list and/or block layout (shared or per head) covering the positions
+// of L queries and S keys.
+mha::SparsePattern random_pattern(Index heads, Index query_len, Index key_len,
+                                  mha::Random& random) {
+  const auto pick = [&](Index low, Index high) {
+    return low + static_cast<Index>(random.uniform() * static_cast<double>(high - low + 1));
+  };
+  mha::SparsePattern pattern;
+  pattern.alignment = query_len <= key_len && random.uniform() < 0.5 ? mha::Alignment::bottom_right
+                                                                     : mha::Alignment::top_left;
+  if (random.uniform() < 0.6) {
+    for (Index position = 0; position < std::max(query_len, key_len); ++position) {
+      if (random.uniform() < 0.1) pattern.global_tokens.push_back(position);
+    }
+  }
+  if (pattern.global_tokens.empty() || random.uniform() < 0.5) {
+    pattern.block_size = pick(1, 5);
+    const Index last =
+        pattern.alignment == mha::Alignment::bottom_right ? key_len - 1 : query_len - 1;
+    const Index rows = last / pattern.block_size + 1 + pick(0, 1);
+    const Index cols = (key_len + pattern.block_size - 1) / pattern.block_size + pick(0, 1);
+    pattern.block_layout = Tensor<bool>(random.uniform() < 0.5 ? mha::Shape{rows, cols}
+                                                               : mha::Shape{heads, rows, cols});
+    for (Index i = 0; i < pattern.block_layout.size(); ++i) {
+      pattern.block_layout.data()[i] = random.uniform() < 0.4;
+    }
+  }
+  return pattern;
+}
 
 template <class T>
 Mask<T> random_mask(MaskKind kind, const mha::Shape& shape, mha::Random& random, double blocked) {
@@ -74,6 +107,8 @@ void check_case(const Case& c, std::uint64_t seed,
   core.causal = c.causal;
   core.causal_cols = c.key_len;
   core.window = c.window;
+  core.pattern =
+      mha::detail::checked_pattern(c.pattern, c.heads, c.query_len, c.key_len, c.pattern.alignment);
   // Dropout in a third of the cases: both kernels regenerate the same mask from the seed.
   if (random.uniform() < 1.0 / 3) core.dropout = {0.3, seed, c.heads, c.query_len, total_keys};
   // Soft-capping in a quarter: the backward then needs the capped scores of each tile.
@@ -99,9 +134,10 @@ void check_case(const Case& c, std::uint64_t seed,
             << mha::mask_kind_name(c.attn_kind) << (c.per_head_mask ? " per head" : "")
             << " padding " << mha::mask_kind_name(c.padding_kind) << " causal "
             << static_cast<int>(c.causal) << " window " << c.window.left << "/" << c.window.right
-            << (c.window.alignment == mha::Alignment::bottom_right ? " br" : "") << " blocks "
-            << c.query_block << "x" << c.key_block << " blocked " << blocked << " dropout "
-            << core.dropout.p);
+            << (c.window.alignment == mha::Alignment::bottom_right ? " br" : "") << " globals "
+            << c.pattern.global_tokens.size() << " layout block " << c.pattern.block_size
+            << " blocks " << c.query_block << "x" << c.key_block << " blocked " << blocked
+            << " dropout " << core.dropout.p);
   REQUIRE(flash.flat().allFinite());
   CHECK_TENSORS_CLOSE(flash, reference);
 
@@ -165,6 +201,10 @@ TEMPLATE_TEST_CASE("flash equals reference for random options and tiny blocks", 
       c.window.right = pick(-1, 6);
       c.window.alignment =
           random.uniform() < 0.5 ? mha::Alignment::top_left : mha::Alignment::bottom_right;
+    }
+    // Global tokens or a block layout in a third of the cases.
+    if (random.uniform() < 1.0 / 3) {
+      c.pattern = random_pattern(c.heads, c.query_len, c.key_len, random);
     }
     c.query_block = pick(1, 8);
     c.key_block = pick(1, 8);
@@ -334,6 +374,162 @@ TEMPLATE_TEST_CASE("a window equals the additive mask it describes, and skipping
       CHECK_TENSORS_CLOSE_TOL(actual_grads.key, expected_grads.key, rtol, rtol * terms);
     }
   }
+}
+
+TEMPLATE_TEST_CASE("a sparse pattern equals the mask it describes, and skipping equals masking",
+                   "[flash][pattern]", float, double) {
+  using T = TestType;
+  const Index H = 2, L = 150, S = 300, D = 8;
+  const auto q = mha_test::random_tensor<T>({H, L, D}, 1);
+  const auto k = mha_test::random_tensor<T>({H, S, D}, 2);
+  const auto v = mha_test::random_tensor<T>({H, S, D}, 3);
+  const auto g = mha_test::random_tensor<T>({H, L, D}, 4);
+  mha::Random random(5);
+  // Block layouts of 32 (several layout blocks per flash tile) and of 96 (layout blocks wider
+  // than the backward's 64-row query tiles); per head or shared.
+  const auto layout = [&](Index block, Index heads, double kept) {
+    const Index rows = (S + block - 1) / block, cols = rows;
+    Tensor<bool> blocks(heads > 1 ? mha::Shape{heads, rows, cols} : mha::Shape{rows, cols});
+    for (Index i = 0; i < blocks.size(); ++i) blocks.data()[i] = random.uniform() < kept;
+    return blocks;
+  };
+  struct Setting {
+    std::vector<Index> global_tokens;
+    Index block_size;
+    Tensor<bool> block_layout;
+    mha::Alignment alignment;
+    mha::Window window;
+    Causal causal;
+  };
+  const std::vector<Setting> settings = {
+      {{0, 1, 2, 3}, 0, {}, mha::Alignment::top_left, {8, 0}, Causal::top_left},
+      {{5, 77, 140, 299}, 0, {}, mha::Alignment::top_left, {10, 10}, Causal::none},
+      {{}, 32, layout(32, 1, 0.3), mha::Alignment::top_left, {}, Causal::none},
+      {{}, 96, layout(96, 2, 0.5), mha::Alignment::bottom_right, {}, Causal::bottom_right},
+      {{3, 200}, 32, layout(32, 2, 0.2), mha::Alignment::bottom_right, {40, 5}, Causal::none},
+      {{149, 150}, 32, layout(32, 1, 0.1), mha::Alignment::top_left, {}, Causal::top_left}};
+  for (const auto& setting : settings) {
+    mha::SparsePattern pattern;
+    pattern.global_tokens = setting.global_tokens;
+    pattern.block_size = setting.block_size;
+    pattern.block_layout = setting.block_layout;
+    pattern.alignment = setting.alignment;
+    const auto is_global = [&](Index position) {
+      return std::find(setting.global_tokens.begin(), setting.global_tokens.end(), position) !=
+             setting.global_tokens.end();
+    };
+    // The pattern written out per head from SparsePattern's definition.
+    Tensor<T> written({H, L, S});
+    for (Index h = 0; h < H; ++h) {
+      for (Index i = 0; i < L; ++i) {
+        const Index c = setting.alignment == mha::Alignment::bottom_right ? i + S - L : i;
+        const Index window_c =
+            setting.window.alignment == mha::Alignment::bottom_right ? i + S - L : i;
+        for (Index j = 0; j < S; ++j) {
+          const bool causal_ok = setting.causal == Causal::none ||
+                                 j <= (setting.causal == Causal::bottom_right ? i + S - L : i);
+          const bool in_window = (setting.window.left < 0 || j >= window_c - setting.window.left) &&
+                                 (setting.window.right < 0 || j <= window_c + setting.window.right);
+          bool in_layout = true;
+          if (setting.block_size > 0) {
+            const auto& blocks = setting.block_layout;
+            const Index row = c / setting.block_size, col = j / setting.block_size;
+            in_layout = blocks.rank() == 3 ? blocks(h, row, col) : blocks(row, col);
+          }
+          const bool visible =
+              causal_ok && (is_global(c) || is_global(j) || (in_window && in_layout));
+          written(h, i, j) = visible ? T(0) : -std::numeric_limits<T>::infinity();
+        }
+      }
+    }
+    INFO("globals " << setting.global_tokens.size() << " block " << setting.block_size << " window "
+                    << setting.window.left << "/" << setting.window.right);
+    for (const auto kernel : {mha::Kernel::reference, mha::Kernel::flash}) {
+      mha::AttentionOptions<T> masked;
+      masked.mask = Mask<T>::additive(written);
+      masked.kernel = kernel;
+      mha::AttentionOptions<T> patterned;
+      patterned.pattern = pattern;
+      patterned.window = setting.window;
+      patterned.causal = setting.causal;
+      patterned.kernel = kernel;
+      const auto expected = mha::scaled_dot_product_attention(q, k, v, masked);
+      const auto actual = mha::scaled_dot_product_attention(q, k, v, patterned);
+      INFO(mha::kernel_name(kernel));
+      CHECK_TENSORS_CLOSE(actual.output, expected.output);
+      const auto expected_grads =
+          mha::scaled_dot_product_attention_backward<T>(q, k, v, expected, g, masked);
+      const auto actual_grads =
+          mha::scaled_dot_product_attention_backward<T>(q, k, v, actual, g, patterned);
+      CHECK_GRADIENTS_CLOSE(actual_grads.query, expected_grads.query);
+      CHECK_GRADIENTS_CLOSE(actual_grads.key, expected_grads.key);
+      CHECK_GRADIENTS_CLOSE(actual_grads.value, expected_grads.value);
+    }
+  }
+}
+
+TEST_CASE("the flash kernel visits only the key blocks a block layout keeps", "[flash][pattern]") {
+  // Query block 64 over layout blocks of 32: each query block covers two layout rows, and the
+  // keys it visits are the union of their kept blocks, in runs of at most 256 keys.
+  const Index L = 256, S = 512, block = 32;
+  mha::SparsePattern pattern;
+  pattern.block_size = block;
+  pattern.block_layout = Tensor<bool>({L / block, S / block});
+  mha::Random random(9);
+  for (Index i = 0; i < pattern.block_layout.size(); ++i) {
+    pattern.block_layout.data()[i] = random.uniform() < 0.25;
+  }
+  mha::detail::CoreOptions<float> core;
+  core.causal_cols = S;
+  core.pattern = mha::detail::checked_pattern(pattern, 1, L, S, mha::Alignment::top_left);
+  for (Index i0 = 0; i0 < L; i0 += 64) {
+    std::vector<bool> visited(static_cast<std::size_t>(S), false);
+    mha::detail::for_each_key_block(core, 0, S, L, i0, i0 + 63, 256, [&](Index j0, Index cols) {
+      CHECK(cols <= 256);
+      for (Index j = j0; j < j0 + cols; ++j) {
+        CHECK_FALSE(visited[static_cast<std::size_t>(j)]);
+        visited[static_cast<std::size_t>(j)] = true;
+      }
+    });
+    for (Index j = 0; j < S; ++j) {
+      const bool kept = pattern.block_layout(i0 / block, j / block) ||
+                        pattern.block_layout(i0 / block + 1, j / block);
+      INFO("query block " << i0 << " key " << j);
+      CHECK(visited[static_cast<std::size_t>(j)] == kept);
+    }
+  }
+}
+
+TEST_CASE("sparse patterns are checked", "[flash][pattern][errors]") {
+  const auto q = mha_test::random_tensor<float>({2, 10, 4}, 1);
+  const auto k = mha_test::random_tensor<float>({2, 12, 4}, 2);
+  mha::AttentionOptions<float> options;
+  options.pattern.global_tokens = {3, 1};
+  CHECK_THROWS_WITH(
+      mha::scaled_dot_product_attention(q, k, k, options),
+      "pattern.global_tokens: must be strictly increasing positions >= 0, got 1 at index 1");
+  options.pattern.global_tokens = {};
+  options.pattern.block_layout = Tensor<bool>({3, 3}, false);
+  CHECK_THROWS_WITH(mha::scaled_dot_product_attention(q, k, k, options),
+                    "pattern.block_size: must be at least 1 with a block_layout, got 0");
+  options.pattern.block_size = 4;  // 12 keys need 3 columns, 10 queries 3 rows: fits
+  CHECK_NOTHROW(mha::scaled_dot_product_attention(q, k, k, options));
+  options.pattern.block_size = 3;  // now 4 of each are needed
+  CHECK_THROWS_WITH(mha::scaled_dot_product_attention(q, k, k, options),
+                    "pattern.block_layout: expected [R, C] or [H = 2, R, C] with R >= 4, C >= 4 "
+                    "(blocks of 3 covering L = 10 query positions and S = 12 keys), got [3, 3]");
+  options.pattern.block_size = 4;
+  options.pattern.block_layout = Tensor<bool>({3, 3, 3}, false);
+  CHECK_THROWS_AS(mha::scaled_dot_product_attention(q, k, k, options), mha::ShapeError);
+  options.pattern.block_layout = Tensor<bool>({3, 3}, false);
+  const auto long_q = mha_test::random_tensor<float>({2, 13, 4}, 3);
+  options.pattern.alignment = mha::Alignment::bottom_right;
+  CHECK_THROWS_WITH(mha::scaled_dot_product_attention(long_q, k, k, options),
+                    "pattern.alignment: bottom_right puts queries at negative positions, which a "
+                    "block_layout has no rows for, when L (13) > S (12)");
+  options.pattern.block_layout = Tensor<bool>();
+  options.pattern.global_tokens = {0, 12};  // global tokens alone are fine there
+  CHECK_NOTHROW(mha::scaled_dot_product_attention(long_q, k, k, options));
 }
 
 TEMPLATE_TEST_CASE("ALiBi equals the additive bias it describes", "[flash][alibi]", float, double) {

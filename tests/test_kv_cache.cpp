@@ -22,7 +22,8 @@ struct Setup {
   std::string name;
   MultiHeadAttentionConfig config;
   bool rope = false, interleaved = false, alibi = false, softcap = false;
-  Index window = -1;  // left window; the right one is 0 (causal anyway)
+  bool pattern = false;  // global tokens and a per-head block layout over the positions
+  Index window = -1;     // left window; the right one is 0 (causal anyway)
 };
 
 std::vector<Setup> setups() {
@@ -45,6 +46,11 @@ std::vector<Setup> setups() {
   mqa.config.bias = false;
   mqa.rope = mqa.interleaved = true;
   all.push_back(mqa);
+  Setup sparse{"GQA + window + global tokens + block layout", MultiHeadAttentionConfig(16, 4)};
+  sparse.config.num_kv_heads = 2;
+  sparse.pattern = true;
+  sparse.window = 3;
+  all.push_back(sparse);
   return all;
 }
 
@@ -60,6 +66,16 @@ mha::ForwardOptions<T> options_for(const Setup& setup, const MultiHeadAttention<
   if (setup.softcap) options.softcap = T(3);
   if (setup.window >= 0) options.window = mha::Window{setup.window, 0};
   if (setup.alibi) options.head_gate = {T(1), T(0.5), T(0), T(1.25)};  // the modern setup, H = 4
+  if (setup.pattern) {
+    // Blocks of 4 over 32 positions, per head: a layout for the longest sequence serves all.
+    options.pattern.global_tokens = {0, 1, 9};
+    options.pattern.block_size = 4;
+    options.pattern.block_layout = Tensor<bool>({layer.num_heads(), 8, 8});
+    mha::Random random(5);
+    for (Index i = 0; i < options.pattern.block_layout.size(); ++i) {
+      options.pattern.block_layout.data()[i] = random.uniform() < 0.5;
+    }
+  }
   return options;
 }
 
@@ -303,6 +319,11 @@ TEST_CASE("decode refuses what it cannot do, and a refused step changes nothing"
   CHECK(mha_test::contains(message([&] { layer.decode(three, sliding); }),
                            "window.left: a sliding-window cache keeping the last 3 keys serves "
                            "windows of at most that many keys to the left, got -1 (unbounded)"));
+  auto patterned = layer.decode_options();
+  patterned.window.left = 2;
+  patterned.pattern.global_tokens = {0};
+  CHECK(mha_test::contains(message([&] { layer.decode(three, sliding, patterned); }),
+                           "pattern: global tokens and block layouts are over absolute positions"));
   CHECK(fresh.position(0) == 0);
   CHECK(sliding.position(0) == 0);
 

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <map>
 #include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -104,8 +105,8 @@ mha::Mask<T> fixture_mask(const mha::io::SafetensorsFile& in, const std::string&
 template <class T>
 Named<T> library_gradients(const mha::io::SafetensorsFile& in, bool shared) {
   const std::set<std::string> inputs = {
-      "query",     "key",         "value",        "key_padding_mask",
-      "attn_mask", "grad_output", "alibi_slopes", "head_mask"};
+      "query",       "key",          "value",     "key_padding_mask", "attn_mask",
+      "grad_output", "alibi_slopes", "head_mask", "block_layout"};
   std::map<std::string, mha::Tensor<T>> state;
   for (const auto& entry : in.tensors) {
     if (inputs.count(entry.first) == 0) {
@@ -134,6 +135,15 @@ Named<T> library_gradients(const mha::io::SafetensorsFile& in, bool shared) {
   options.window.right = std::stol(metadata_text(in, "window_right", "-1"));
   options.window.alignment = options.causal_alignment;
   options.window.dilation = std::stol(metadata_text(in, "window_dilation", "1"));
+  options.pattern.alignment = options.causal_alignment;
+  std::istringstream global_tokens(metadata_text(in, "global_tokens", ""));
+  for (std::string position; std::getline(global_tokens, position, ',');) {
+    options.pattern.global_tokens.push_back(std::stol(position));
+  }
+  if (in.tensors.count("block_layout") == 1) {
+    options.pattern.block_size = std::stol(in.metadata.at("block_size"));
+    options.pattern.block_layout = mha::io::to_bool_tensor(in.at("block_layout"), "block_layout");
+  }
   if (in.tensors.count("alibi_slopes") == 1) {
     const auto slopes = mha::io::to_tensor<T>(in.at("alibi_slopes"), "alibi_slopes");
     options.alibi_slopes.assign(slopes.data(), slopes.data() + slopes.size());
@@ -445,6 +455,34 @@ TEST_CASE("the dilated-window fixtures are present", "[reference][modern]") {
   CHECK(cases >= 4);
   CHECK(with_gradients >= 2);
   CHECK(unbounded >= 1);
+}
+
+// The global_* and blocks_* fixtures: global tokens with windows (attention sinks, Longformer),
+// shared and per-head block layouts, bottom-right positions, gradients across flash blocks.
+TEST_CASE("the sparse-pattern fixtures are present and cover each part", "[reference][pattern]") {
+  int cases = 0, with_gradients = 0, global = 0, layouts = 0, per_head = 0, bottom_right = 0,
+      across_blocks = 0;
+  for (const auto& name : fixture_names()) {
+    if (name.rfind("global_", 0) != 0 && name.rfind("blocks_", 0) != 0) continue;
+    INFO("fixture " << name);
+    const auto in = read_fixture(name, "in");
+    ++cases;
+    with_gradients += in.tensors.count("grad_output") == 1;
+    global += in.metadata.count("global_tokens") == 1;
+    if (in.tensors.count("block_layout") == 1) {
+      ++layouts;
+      per_head += in.at("block_layout").shape.size() == 3;
+    }
+    bottom_right += metadata_text(in, "causal_alignment", "top_left") == "bottom_right";
+    across_blocks += in.at("query").shape.end()[-2] > 256;
+  }
+  CHECK(cases >= 6);
+  CHECK(with_gradients >= 2);
+  CHECK(global >= 4);
+  CHECK(layouts >= 4);
+  CHECK(per_head >= 2);
+  CHECK(bottom_right >= 1);
+  CHECK(across_blocks >= 1);
 }
 
 // The rope_* fixtures also go through every test above; this checks that they cover both layouts,

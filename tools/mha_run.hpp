@@ -53,7 +53,7 @@ IN holds:
   is_causal or the window and get no ALiBi bias.
     causal_alignment: top_left (default; is_causal blocks key j > i, as PyTorch SDPA) or
       bottom_right (blocks j > i + S - L, as FlashAttention >= 2.1 and a KV-cache step). It also
-      aligns the window and ALiBi.
+      aligns the window, the sparse pattern and ALiBi.
     window_left, window_right: integers >= -1 (default -1 = unbounded on that side): local
       attention with FlashAttention's inclusive convention, query i sees key j only where
       c - window_left <= j <= c + window_right (window_left w - 1 with window_right 0 is a causal
@@ -61,6 +61,14 @@ IN holds:
       where all of them allow it.
     window_dilation: a positive integer d (default 1): a dilated window, where only keys at a
       distance |c - j| that is a multiple of d are visible, within window_left and window_right.
+    global_tokens: comma-separated positions in increasing order, e.g. "0,1,64" (default none):
+      global tokens (Longformer, BigBird), which see every key and which every query sees, over
+      the window and the block layout; is_causal and the masks still apply to them. The query at
+      c is global when c is listed, key j when j is.
+    block_size: a positive integer b, with the block_layout tensor (and only with it).
+    block_layout [R, C] or [H, R, C] (tensor, BOOL, true = computed), optional: block-sparse
+      attention; the query at c sees key j only where block_layout[(h,) c / b, j / b] is true
+      (and the window allows). R * b must exceed the last query's c and C * b be at least S.
     alibi: "0" (default) or "1": ALiBi with the paper's slopes for H heads (2^(-8 (h + 1) / H)
       for H a power of two, else BLOOM's rule), adding -slope_h * |c - j| to head h's scores.
     alibi_slopes [H] (tensor, query's dtype), optional: ALiBi with these slopes instead. With it
@@ -99,8 +107,8 @@ namespace detail {
 
 inline const std::set<std::string>& input_names() {
   static const std::set<std::string> names = {
-      "query",     "key",         "value",        "key_padding_mask",
-      "attn_mask", "grad_output", "alibi_slopes", "head_mask"};
+      "query",       "key",          "value",     "key_padding_mask", "attn_mask",
+      "grad_output", "alibi_slopes", "head_mask", "block_layout"};
   return names;
 }
 
@@ -275,6 +283,42 @@ std::vector<T> alibi(const io::SafetensorsFile& file, Index heads) {
   return std::vector<T>(slopes.data(), slopes.data() + slopes.size());
 }
 
+// Global tokens and a block layout; the library checks their order and coverage.
+inline SparsePattern sparse_pattern(const io::SafetensorsFile& file, Alignment alignment) {
+  SparsePattern pattern;
+  pattern.alignment = alignment;
+  const auto global = file.metadata.find("global_tokens");
+  if (global != file.metadata.end()) {
+    const std::string& text = global->second;
+    std::size_t begin = 0;
+    while (begin <= text.size()) {
+      const std::size_t end = std::min(text.find(',', begin), text.size());
+      const std::string item = text.substr(begin, end - begin);
+      if (item.empty() || item.size() > 9 ||
+          item.find_first_not_of("0123456789") != std::string::npos) {
+        throw ShapeError(
+            "metadata 'global_tokens': expected comma-separated positions >= 0, e.g. \"0,1,64\", "
+            "got \"" +
+            text + "\"");
+      }
+      pattern.global_tokens.push_back(static_cast<Index>(std::stol(item)));  // <= 9 digits
+      begin = end + 1;
+    }
+  }
+  const bool has_layout = file.tensors.count("block_layout") != 0;
+  if (has_layout != (file.metadata.count("block_size") != 0)) {
+    throw ShapeError(has_layout ? "metadata 'block_size': missing (required with block_layout)"
+                                : "metadata 'block_size': expected absent without a block_layout "
+                                  "tensor, got \"" +
+                                      file.metadata.at("block_size") + "\"");
+  }
+  if (has_layout) {
+    pattern.block_size = positive_integer(file, "block_size", true);
+    pattern.block_layout = io::to_bool_tensor(file.at("block_layout"), "block_layout");
+  }
+  return pattern;
+}
+
 // head_mask [H]: per-head gates, or none.
 template <class T>
 std::vector<T> head_mask(const io::SafetensorsFile& file, Index heads) {
@@ -312,6 +356,7 @@ io::SafetensorsFile run_as(const io::SafetensorsFile& in) {
   options.window.alignment = options.causal_alignment;
   const Index dilation = positive_integer(in, "window_dilation", false);
   options.window.dilation = dilation == 0 ? 1 : dilation;
+  options.pattern = sparse_pattern(in, options.causal_alignment);
   options.alibi_slopes = alibi<T>(in, layer.num_heads());
   options.softcap = softcap<T>(in);
   options.rope = rope(in);

@@ -143,6 +143,8 @@ struct AttentionOptions {
   Causal causal = Causal::none;
   // Local attention: keys outside the window are blocked, and the flash kernel skips them.
   Window window;
+  // Global tokens and block-sparse layouts (see SparsePattern in mask.hpp).
+  SparsePattern pattern;
   // ALiBi: empty, or one slope per query head (alibi_slopes<T>(H) gives the paper's); adds
   // -slope_h * |c - j| to the scaled scores, c = i or i + S - L (alibi_alignment).
   std::vector<T> alibi_slopes;
@@ -259,6 +261,8 @@ AttentionProblem<T> attention_problem(const TensorView<const T>& query,
   core.causal_cols = problem.key_len;
   check_window(options.window);
   core.window = options.window;
+  core.pattern = checked_pattern(options.pattern, problem.heads, problem.query_len, problem.key_len,
+                                 options.pattern.alignment);
   core.alibi_slopes = checked_alibi_slopes(options.alibi_slopes, problem.heads);
   core.alibi_alignment = options.alibi_alignment;
   core.softcap = checked_softcap(options.softcap);

@@ -21,6 +21,7 @@
 #include <limits>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "mha/tensor.hpp"
 
@@ -48,6 +49,32 @@ struct Window {
   Index dilation = 1;
 
   bool active() const { return left >= 0 || right >= 0 || dilation > 1; }
+};
+
+// Sparse attention patterns over positions (a query's position is i, or i + S - L with
+// alignment bottom_right; input key j is at j). Both parts are optional and combine with the
+// window:
+//   global_tokens  positions that see every key and that every query sees (Longformer's and
+//                  BigBird's global attention, or StreamingLLM's attention sinks next to a
+//                  window): they override the window and the block layout.
+//   block_layout   block-sparse attention (Sparse Transformer, DeepSpeed's and Triton's
+//                  block-sparse kernels): [R, C] or [H, R, C] booleans, true = computed, over
+//                  block_size x block_size blocks; the query at position c sees key j only where
+//                  layout[(h,) c / block_size, j / block_size] is true (and the window allows).
+//                  It must cover every position: R * block_size > the last query's position and
+//                  C * block_size >= S, so one layout made for the longest sequence serves every
+//                  shorter one, and decoding. (Refused with bottom_right when L > S: the first
+//                  queries would be at negative positions.)
+// Causal masking and masks still apply to global tokens: a key the causal mask hides stays
+// hidden. Keys from bias_k and zero attention stay visible. The flash kernel never computes a
+// block of scores that the pattern hides from all of its queries.
+struct SparsePattern {
+  std::vector<Index> global_tokens;
+  Index block_size = 0;
+  Tensor<bool> block_layout;
+  Alignment alignment = Alignment::top_left;
+
+  bool active() const { return !global_tokens.empty() || !block_layout.is_null(); }
 };
 
 namespace detail {

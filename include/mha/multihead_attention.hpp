@@ -116,6 +116,8 @@ struct ForwardOptions {
   Alignment causal_alignment = Alignment::top_left;
   // Local (sliding-window) attention over the S input keys, see Window in mask.hpp.
   Window window;
+  // Global tokens and block-sparse layouts over the S input keys, see SparsePattern in mask.hpp.
+  SparsePattern pattern;
   // ALiBi (BLOOM, MPT): empty, or one slope per head (alibi_slopes<T>(H) gives the paper's);
   // adds -slope_h * |c - j| to head h's scores of the input keys, c = i or i + S - L
   // (causal_alignment). bias_k and the zero key get no position bias.
@@ -726,13 +728,14 @@ class MultiHeadAttention {
   // (with the same options), for those tokens.
   //
   // Token i of the step is at position cache.position(b) + i. The alignment is therefore always
-  // bottom-right (the new tokens come after the cached ones): is_causal, the window and ALiBi use
-  // it whatever causal_alignment and window.alignment say, and rope rotates by that position plus
-  // rope->position_offset. is_causal = false lets a step's tokens see each other (a prompt with
-  // bidirectional attention). Refused, before anything changes: masks (the cache decides what a
-  // token sees), need_weights, add_bias_kv and add_zero_attn (their key would follow every step's
-  // keys), kdim or vdim other than E, a window wider than a sliding cache keeps, and a step that
-  // overflows the cache's capacity. Const: a layer serves any number of caches, one thread each.
+  // bottom-right (the new tokens come after the cached ones): is_causal, the window, the pattern
+  // and ALiBi use it whatever causal_alignment, window.alignment and pattern.alignment say, and
+  // rope rotates by that position plus rope->position_offset. is_causal = false lets a step's
+  // tokens see each other (a prompt with bidirectional attention). Refused, before anything
+  // changes: masks (the cache decides what a token sees), need_weights, add_bias_kv and
+  // add_zero_attn (their key would follow every step's keys), kdim or vdim other than E, a window
+  // wider than a sliding cache keeps, a pattern with a sliding cache, and a step that overflows
+  // the cache's capacity. Const: a layer serves any number of caches, one thread each.
   ForwardResult<T> decode(TensorView<const T> x, KVCache<T>& cache,
                           const ForwardOptions<T>& options = decode_options(),
                           const std::vector<Index>& new_tokens = {}) const {
@@ -783,6 +786,8 @@ class MultiHeadAttention {
       const Index start = cache.start_[static_cast<std::size_t>(b)];
       const Index total_keys = first + count - start;
       core.causal_cols = total_keys;
+      core.pattern = detail::checked_pattern(options.pattern, heads, count, total_keys,
+                                             Alignment::bottom_right);
       detail::attention<T>(kernel, 1, heads, head_layout<const T>(queries, count, inner),
                            kv_head_layout<const T>(cache.key_row(b, start), total_keys, width),
                            kv_head_layout<const T>(cache.value_row(b, start), total_keys, width),
@@ -907,6 +912,11 @@ class MultiHeadAttention {
                              std::to_string(options.window.left) +
                              (options.window.left < 0 ? " (unbounded)" : ""));
     }
+    if (cache.sliding() && options.pattern.active()) {
+      detail::throw_argument("pattern",
+                             "global tokens and block layouts are over absolute positions, which "
+                             "a sliding-window cache drops: use a cache that keeps every token");
+    }
     return steps;
   }
 
@@ -963,6 +973,8 @@ class MultiHeadAttention {
                                                                         : Causal::top_left;
     core.causal_cols = plan.key_len;
     core.window = options.window;
+    core.pattern = detail::checked_pattern(options.pattern, config_.num_heads, plan.query_len,
+                                           plan.key_len, options.pattern.alignment);
     core.alibi_slopes = detail::checked_alibi_slopes(options.alibi_slopes, config_.num_heads);
     core.alibi_alignment = options.causal_alignment;
     core.softcap = detail::checked_softcap(options.softcap);

@@ -24,7 +24,10 @@
       Another share (--rope-share, default 0.2, from a stream of its own) get rotary embeddings
       (generate.rope_variant: base, layout and rotary_dim drawn; cases with D < 2 stay without),
       checked the same way against generate.naive_mha. And --gate-share (default 0.2, its own
-      stream) get a head_mask tensor [H] of gates 0, 1 or fractions (and grad.head_mask).
+      stream) get a head_mask tensor [H] of gates 0, 1 or fractions (and grad.head_mask), and
+      --pattern-share (default 0.2, its own stream) a sparse pattern: a window dilation, global
+      tokens or a block layout (generate.pattern_variant), checked against generate.naive_mha and,
+      folded into attn_mask, against torch's module.
       A share of the cases (--grad-share, default 0.5; 0 turns gradients off; the choice comes from
       its own random stream, so --seed K gives the same configurations whatever the share) also get
       a random `grad_output` in IN, and a third of those without weights metadata kernel=reference.
@@ -191,6 +194,12 @@ def modern_kinds(spec):
         kinds.append("softcap > 0")
     if spec.head_mask is not None:
         kinds.append("head_mask")
+    if spec.dilation is not None:
+        kinds.append("window_dilation")
+    if spec.global_tokens is not None:
+        kinds.append("global_tokens")
+    if spec.block is not None:
+        kinds.append("block_layout" + (" per head" if spec.block[1] else " shared"))
     if spec.rope is not None:
         kinds.append("rope " + ("interleaved" if spec.rope[1] else "rotate-half") +
                      ("" if spec.rope[2] is None else " partial"))
@@ -199,7 +208,7 @@ def modern_kinds(spec):
 
 def run_random(args, work_dir):
     specs = gen.random_specs(args.count, args.seed, args.gqa_share, args.modern_share, args.rope_share,
-                             args.gate_share)
+                             args.gate_share, args.pattern_share)
     select_gradients(specs, args.seed, args.grad_share)
     passed = failed = 0
     with_grad = 0
@@ -477,6 +486,9 @@ def main(argv=None):
                     help="share of the random cases given rotary embeddings (default: %(default)s)")
     ap.add_argument("--gate-share", type=float, default=0.2, metavar="P",
                     help="share of the random cases given a head_mask (default: %(default)s)")
+    ap.add_argument("--pattern-share", type=float, default=0.2, metavar="P",
+                    help="share of the random cases given a window dilation, global tokens or a block "
+                         "layout (default: %(default)s)")
     ap.add_argument("--malformed", action="store_true", help="check malformed inputs instead")
     ap.add_argument("--cases-dir", metavar="DIR", help="check existing NAME.in/NAME.expected pairs in DIR instead")
     ap.add_argument("--keep", metavar="DIR", help="write the cases and outputs to DIR and keep them")
@@ -491,6 +503,8 @@ def main(argv=None):
         ap.error(f"--modern-share must be in [0, 1], got {args.modern_share}")
     if not 0.0 <= args.gate_share <= 1.0:
         ap.error(f"--gate-share must be in [0, 1], got {args.gate_share}")
+    if not 0.0 <= args.pattern_share <= 1.0:
+        ap.error(f"--pattern-share must be in [0, 1], got {args.pattern_share}")
     if not 0.0 <= args.rope_share <= 1.0:
         ap.error(f"--rope-share must be in [0, 1], got {args.rope_share}")
     if not (os.path.isfile(args.mha_run) and os.access(args.mha_run, os.X_OK)):

@@ -274,7 +274,7 @@ class Spec:
                  attn_mask=None, attn_inf=False, kpm=None, kpm_inf=False, is_causal=False,
                  need_weights=True, average=True, meta="full", seed=None, kernel=None, grad=False,
                  num_kv_heads=None, causal_alignment=None, window=None, alibi=None, softcap=None,
-                 rope=None, head_mask=None, dilation=None):
+                 rope=None, head_mask=None, dilation=None, global_tokens=None, block=None):
         assert dtype in ("f32", "f64")
         assert attn_mask in (None, "bool2d", "bool3d", "float2d", "float3d")
         assert kpm in (None, "bool", "float")
@@ -327,13 +327,22 @@ class Spec:
         assert head_mask in (None, "random"), name
         self.head_mask = head_mask
         self.gates = None
+        # Sparse patterns: global_tokens None (no metadata key) or increasing positions >= 0; block
+        # None or (block_size, per_head, density): a block_layout tensor [R, C] (or [H, R, C] per
+        # head), each block kept with probability density, drawn by build_case (self.layout) from a
+        # stream of its own.
+        assert global_tokens is None or list(global_tokens) == sorted(set(global_tokens)), name
+        assert block is None or (int(block[0]) >= 1 and 0 < block[2] <= 1), name
+        self.global_tokens = None if global_tokens is None else [int(g) for g in global_tokens]
+        self.block = block
+        self.layout = None
 
     @property
     def modern(self):
         """Sets a window, causal alignment, ALiBi or softcap: computed by written_out_mha."""
         return (self.causal_alignment is not None or self.window is not None or self.alibi is not None
                 or self.softcap is not None or self.rope is not None or self.head_mask is not None
-                or self.dilation is not None)
+                or self.dilation is not None or self.global_tokens is not None or self.block is not None)
 
     @property
     def foldable(self):
@@ -371,6 +380,10 @@ class Spec:
             modern["softcap"] = repr(float(self.softcap))
         if self.dilation is not None:
             modern["window_dilation"] = str(self.dilation)
+        if self.global_tokens is not None:
+            modern["global_tokens"] = ",".join(str(g) for g in self.global_tokens)
+        if self.block is not None:
+            modern["block_size"] = str(self.block[0])
         if self.rope is not None:
             base, interleaved, rotary_dim = self.rope
             modern["rope_base"] = repr(base)
@@ -419,6 +432,10 @@ class Spec:
             parts.append("head_mask")
         if self.dilation is not None:
             parts.append(f"dilation={self.dilation}")
+        if self.global_tokens is not None:
+            parts.append("global=" + ",".join(str(g) for g in self.global_tokens))
+        if self.block is not None:
+            parts.append(f"blocks={self.block[0]}{'/head' if self.block[1] else ''}@{self.block[2]:g}")
         if not self.need_weights:
             parts.append("no-weights")
         elif not self.average:
@@ -444,7 +461,8 @@ def _blocked(spec, attn_mask, kpm):
     if kpm is not None:
         kp = kpm if kpm.dtype == np.bool_ else np.isneginf(kpm)
         blocked |= kp.reshape(B, 1, 1, S)
-    blocked |= position_blocked(spec)[None, None]
+    pb = position_blocked(spec)
+    blocked |= pb[None] if pb.ndim == 3 else pb[None, None]
     return blocked
 
 
@@ -461,20 +479,29 @@ def _diagonal(spec):
 
 
 def position_blocked(spec):
-    """[L, S] bool, True = blocked by is_causal (j > c) or the window (j < c - left or j > c + right,
-    a side of -1 unbounded); c from _diagonal. Without a window or causal_alignment: causal_mask."""
+    """[L, S] bool ([H, L, S] with a per-head block layout), True = blocked by is_causal (j > c) or
+    by the pattern: the window (j < c - left or j > c + right, a side of -1 unbounded; with a
+    dilation d also (c - j) % d != 0) or the block layout (layout[(h,) c // b, j // b] false), unless
+    c or j is a global token; c from _diagonal. Without a window or causal_alignment: causal_mask."""
     c, j = _diagonal(spec)
-    blocked = np.zeros((spec.L, spec.S), dtype=bool)
-    if spec.is_causal:
-        blocked |= j > c
+    pattern = np.zeros((spec.L, spec.S), dtype=bool)
     if spec.window is not None:
         left, right = spec.window
         if left >= 0:
-            blocked |= j < c - left
+            pattern |= j < c - left
         if right >= 0:
-            blocked |= j > c + right
+            pattern |= j > c + right
     if spec.dilation is not None:
-        blocked |= (c - j) % spec.dilation != 0
+        pattern |= (c - j) % spec.dilation != 0
+    if spec.layout is not None:
+        b = spec.block[0]
+        layout = spec.layout if spec.layout.ndim == 3 else spec.layout[None]
+        pattern = pattern[None] | ~layout[:, c[:, 0] // b][:, :, j[0] // b]
+    if spec.global_tokens is not None:
+        pattern &= ~(np.isin(c, spec.global_tokens) | np.isin(j, spec.global_tokens))
+    blocked = pattern if pattern.ndim == 2 or spec.layout.ndim == 3 else pattern[0]
+    if spec.is_causal:
+        blocked = blocked | (j > c)
     return blocked
 
 
@@ -523,6 +550,26 @@ def draw_gates(spec, fdt):
     kinds = rng.integers(0, 3, spec.H)
     values = np.round(rng.uniform(0.0, 1.5, spec.H) * 64) / 64
     return np.where(kinds == 0, 0.0, np.where(kinds == 1, 1.0, values)).astype(fdt)
+
+
+# Second seed word of the stream block layouts are drawn from (ASCII "blck").
+_LAYOUT_STREAM = 0x626C636B
+
+
+def draw_layout(spec):
+    """The block_layout of a case, or None: [R, C] ([H, R, C] per head) booleans covering the query
+    positions c (R = last c // b + 1) and the S keys (C = ceil(S / b)), each true with probability
+    density, from a stream of its own; the diagonal blocks are kept, so no row loses every key."""
+    if spec.block is None:
+        return None
+    b, per_head, density = spec.block
+    c, _ = _diagonal(spec)
+    rows, cols = int(c[-1, 0]) // b + 1, -(-spec.S // b)
+    rng = np.random.default_rng([spec.seed, _LAYOUT_STREAM])
+    layout = rng.random(((spec.H,) if per_head else ()) + (rows, cols)) < density
+    diagonal = np.minimum(np.arange(rows), cols - 1)
+    layout[..., np.arange(rows), diagonal] = True
+    return layout
 
 
 def _draw_masks(spec, rng, fdt):
@@ -646,9 +693,14 @@ def _additive_mask(spec, attn_mask, kpm, tdt):
     if spec.alibi is not None:
         bias = torch.from_numpy(alibi_bias(spec, spec.slopes)).to(tdt).reshape(1, H, L, S)
         total = bias if total is None else total + bias
-    if spec.is_causal or spec.window is not None or spec.dilation is not None:
-        base = torch.zeros((L, S), dtype=tdt) if total is None else total
-        total = base.masked_fill(torch.from_numpy(position_blocked(spec)), float("-inf"))
+    if (spec.is_causal or spec.window is not None or spec.dilation is not None
+            or spec.global_tokens is not None or spec.block is not None):
+        pb = torch.from_numpy(position_blocked(spec))
+        if pb.dim() == 3:  # a per-head block layout: [H, L, S]
+            base = torch.zeros((1, H, L, S), dtype=tdt) if total is None else total.expand(B, H, L, S)
+        else:
+            base = torch.zeros((L, S), dtype=tdt) if total is None else total
+        total = base.masked_fill(pb, float("-inf"))
     return None if total is None else total.expand(B, H, L, S)
 
 
@@ -980,13 +1032,20 @@ def naive_mha(spec, p, query, key, value, attn_mask, kpm):
             x = m[index]
             total += (-math.inf if x else 0.0) if m.dtype == np.bool_ else float(x)
         c = i + shift
-        if spec.is_causal and j > c:
-            total = -math.inf
+        # the pattern: the window, its dilation and the block layout, lifted for global tokens
+        outside = False
         if spec.window is not None:
             left, right = spec.window
-            if (left >= 0 and j < c - left) or (right >= 0 and j > c + right):
-                total = -math.inf
+            outside = (left >= 0 and j < c - left) or (right >= 0 and j > c + right)
         if spec.dilation is not None and abs(c - j) % spec.dilation != 0:
+            outside = True
+        if spec.block is not None:
+            b = spec.block[0]
+            kept = spec.layout[h, c // b, j // b] if spec.layout.ndim == 3 else spec.layout[c // b, j // b]
+            outside = outside or not kept
+        if spec.global_tokens is not None and (c in spec.global_tokens or j in spec.global_tokens):
+            outside = False
+        if outside or (spec.is_causal and j > c):
             total = -math.inf
         if spec.alibi is not None:
             total -= float(spec.slopes[h]) * abs(c - j)
@@ -1059,6 +1118,7 @@ def build_case(spec, cross_check=True):
     spec = copy.copy(spec)
     spec.slopes = draw_slopes(spec, fdt)  # from a stream of its own
     spec.gates = draw_gates(spec, fdt)  # and so do these
+    spec.layout = draw_layout(spec)  # and this
     E, H, L, S, kdim, vdim = spec.E, spec.H, spec.L, spec.S, spec.kdim, spec.vdim
     lead = () if spec.B is None else (spec.B,)
 
@@ -1133,6 +1193,8 @@ def build_case(spec, cross_check=True):
         inputs["alibi_slopes"] = spec.slopes
     if spec.head_mask is not None:
         inputs["head_mask"] = spec.gates
+    if spec.layout is not None:
+        inputs["block_layout"] = spec.layout
     meta = spec.metadata()
     exp_meta = dict(meta)
     exp_meta["description"] = spec.description
@@ -1627,6 +1689,41 @@ def dilation_cases():
     ]
 
 
+def pattern_cases():
+    """Sparse patterns (global_*, blocks_*; *_grad_* with gradients): global tokens, which see and are
+    seen by every position over the window and the layout (is_causal and the masks still apply), and
+    block layouts of b x b blocks, shared or per head; folded into attn_mask (so checked against
+    torch's module) and decided element by element in naive_mha."""
+    def C(name, description, **kw):
+        return Spec(name, description, **kw)
+
+    def G(name, description, **kw):
+        return Spec(name, description, grad=True, **kw)
+    return [
+        C("global_f32_sinks_causal_window", "attention sinks: global tokens 0 and 1 next to a causal "
+          "window (2, 0), self-attention, per-head weights",
+          dtype="f32", B=2, L=12, E=8, H=2, self_attn=True, is_causal=True, window=(2, 0),
+          global_tokens=[0, 1], average=False),
+        C("global_f64_longformer_band_kpm", "Longformer: band (1, 1) with global tokens 0 and 5, bool kpm, "
+          "add_bias_kv",
+          dtype="f64", B=2, L=10, E=8, H=2, self_attn=True, window=(1, 1), global_tokens=[0, 5], kpm="bool",
+          add_bias_kv=True),
+        C("blocks_f32_shared_cross", "block layout of 4 shared by the heads, cross-attention L=16 S=20",
+          dtype="f32", B=2, L=16, S=20, E=8, H=2, block=(4, False, 0.4)),
+        C("blocks_f64_per_head_bottom_right_causal", "per-head layout of 3, bottom-right causal, L=6 S=14, "
+          "per-head weights",
+          dtype="f64", B=1, L=6, S=14, E=8, H=2, block=(3, True, 0.5), is_causal=True,
+          causal_alignment="bottom_right", average=False),
+        G("blocks_grad_f32_tiles_flash", "L=280 (several flash blocks), per-head layout of 32 at 0.3, global "
+          "tokens 0, 100, 257, causal, need_weights=0",
+          dtype="f32", B=1, L=280, E=8, H=2, self_attn=True, is_causal=True, block=(32, True, 0.3),
+          global_tokens=[0, 100, 257], need_weights=False),
+        G("global_grad_f64_gqa_rope_blocks", "global token 2 over a layout of 2, GQA 4/2, RoPE, ALiBi paper",
+          dtype="f64", B=2, L=7, E=16, H=4, num_kv_heads=2, self_attn=True, global_tokens=[2],
+          block=(2, False, 0.5), rope=(10000.0, False, None), alibi="paper"),
+    ]
+
+
 def head_mask_cases():
     """Per-head gates (head_mask_*; head_mask_grad_* with gradients): a head_mask tensor [H] whose
     gate m_h multiplies head h's weights and so its output (Hugging Face's head_mask); gates of 0
@@ -1754,12 +1851,38 @@ def rope_variant(spec, rng):
 _GATE_SELECT_STREAM = 0x67617465
 
 
-def random_specs(count, seed, gqa_share=0.0, modern_share=0.0, rope_share=0.0, gate_share=0.0):
+# And for sparse patterns (ASCII "sprs").
+_PATTERN_STREAM = 0x73707273
+
+
+def pattern_variant(spec, rng):
+    """spec with a sparse pattern: a window dilation (2 or 3), global tokens (each position with
+    probability 0.15) and a block layout (b from 1 to 4, shared or per head, density 0.3 to 0.8), at
+    least one of them, drawn whatever spec is."""
+    p = copy.copy(spec)
+    dilation = int(rng.integers(2, 4)) if rng.random() < 0.4 else None
+    positions = max(spec.L, spec.S)
+    globals_ = [int(g) for g in np.flatnonzero(rng.random(positions) < 0.15)] if rng.random() < 0.5 else None
+    block = (int(rng.integers(1, 5)), bool(rng.random() < 0.5), float(rng.integers(3, 9)) / 10)
+    # (A block layout is refused with bottom_right and L > S: queries at negative positions.)
+    if (rng.random() < 0.5 or (dilation is None and not globals_)) and not (spec.bottom_right and spec.L > spec.S):
+        p.block = block
+    if p.block is None and dilation is None and not globals_:
+        globals_ = [0]
+    p.dilation, p.global_tokens = dilation, globals_ or None
+    p.layout = draw_layout(p)
+    p.description = "random configuration: " + p.summary()
+    return p
+
+
+def random_specs(count, seed, gqa_share=0.0, modern_share=0.0, rope_share=0.0, gate_share=0.0,
+                 pattern_share=0.0):
     rng = np.random.default_rng(seed)
     gqa_rng = np.random.default_rng([seed, _GQA_STREAM])
     modern_rng = np.random.default_rng([seed, _MODERN_STREAM])
     rope_rng = np.random.default_rng([seed, _ROPE_STREAM])
     gate_rng = np.random.default_rng([seed, _GATE_SELECT_STREAM])
+    pattern_rng = np.random.default_rng([seed, _PATTERN_STREAM])
     specs = []
     for i in range(count):
         while True:
@@ -1783,6 +1906,13 @@ def random_specs(count, seed, gqa_share=0.0, modern_share=0.0, rope_share=0.0, g
                 s = m
             except RuntimeError:
                 pass  # the window or alignment leaves a row without keys: keep the configuration
+        if pattern_rng.random() < pattern_share:
+            p = pattern_variant(s, pattern_rng)
+            try:
+                _draw_masks(p, np.random.default_rng(p.seed), np.float64)
+                s = p
+            except RuntimeError:
+                pass  # the pattern leaves a row without keys: keep the configuration
         if rope_rng.random() < rope_share:
             s = rope_variant(s, rope_rng) or s
         if gate_rng.random() < gate_share:
@@ -1810,13 +1940,18 @@ def main(argv=None):
                     help="share of the --random cases given rotary embeddings (default: %(default)s)")
     ap.add_argument("--gate-share", type=float, default=0.2, metavar="P",
                     help="share of the --random cases given a head_mask (default: %(default)s)")
+    ap.add_argument("--pattern-share", type=float, default=0.0, metavar="P",
+                    help="share of the --random cases given a dilation, global tokens or a block layout "
+                         "(default: %(default)s)")
     ap.add_argument("--only", metavar="PREFIX", action="append",
                     help="write only the committed cases whose name starts with PREFIX (repeatable)")
     args = ap.parse_args(argv)
 
     specs = random_specs(args.random, args.seed, args.gqa_share, args.modern_share, args.rope_share,
-                         args.gate_share) \
-        if args.random is not None else fixed_cases() + gradient_cases() + gqa_cases() + modern_cases() + rope_cases() + head_mask_cases() + dilation_cases()
+                         args.gate_share, args.pattern_share) \
+        if args.random is not None else (fixed_cases() + gradient_cases() + gqa_cases() + modern_cases()
+                                         + rope_cases() + head_mask_cases() + dilation_cases()
+                                         + pattern_cases())
     if args.only:
         specs = [s for s in specs if any(s.name.startswith(p) for p in args.only)]
     names = [s.name for s in specs]

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -102,6 +103,102 @@ struct Dropout {
   }
 };
 
+// A checked SparsePattern (mask.hpp) as the kernels read it: global positions strictly
+// increasing, and the block layout's (h, row, col) entry at blocks[h * head_stride + row *
+// block_cols + col] (head_stride 0 when all heads share it).
+struct PatternLayout {
+  const Index* global = nullptr;
+  Index global_count = 0;
+  const bool* blocks = nullptr;
+  Index block = 1, block_cols = 0, head_stride = 0;
+  Alignment alignment = Alignment::top_left;
+
+  bool active() const { return global_count > 0 || blocks != nullptr; }
+
+  // The position of query `row` of query_len when key_len input keys follow the alignment.
+  Index position(Index row, Index query_len, Index key_len) const {
+    return alignment == Alignment::bottom_right ? row + key_len - query_len : row;
+  }
+  // Whether a global position lies in [first, last].
+  bool any_global(Index first, Index last) const {
+    const Index* end = global + global_count;
+    const Index* next = std::lower_bound(global, end, first);
+    return next != end && *next <= last;
+  }
+  bool block_allows(Index h, Index query_position, Index key) const {
+    return blocks == nullptr ||
+           blocks[h * head_stride + (query_position / block) * block_cols + key / block];
+  }
+  // Whether the layout computes any block of queries at positions [first, last] and keys
+  // [key_begin, key_end).
+  bool any_block(Index h, Index first, Index last, Index key_begin, Index key_end) const {
+    if (blocks == nullptr) return true;
+    for (Index row = first / block; row <= last / block; ++row) {
+      const bool* layout_row = blocks + h * head_stride + row * block_cols;
+      for (Index col = key_begin / block; col <= (key_end - 1) / block; ++col) {
+        if (layout_row[col]) return true;
+      }
+    }
+    return false;
+  }
+};
+
+// The kernels' view of `pattern` for query_len queries, key_len input keys and `heads` query
+// heads, with query positions by `alignment` (pattern.alignment, or bottom_right when decoding);
+// throws naming the part of the pattern that does not fit. Points into `pattern`.
+inline PatternLayout checked_pattern(const SparsePattern& pattern, Index heads, Index query_len,
+                                     Index key_len, Alignment alignment) {
+  PatternLayout layout;
+  layout.alignment = alignment;
+  if (!pattern.active()) return layout;
+  for (std::size_t g = 0; g < pattern.global_tokens.size(); ++g) {
+    if (pattern.global_tokens[g] < 0 ||
+        (g > 0 && pattern.global_tokens[g] <= pattern.global_tokens[g - 1])) {
+      throw_argument("pattern.global_tokens", "must be strictly increasing positions >= 0, got " +
+                                                  std::to_string(pattern.global_tokens[g]) +
+                                                  " at index " + std::to_string(g));
+    }
+  }
+  layout.global = pattern.global_tokens.data();
+  layout.global_count = static_cast<Index>(pattern.global_tokens.size());
+  if (pattern.block_layout.is_null()) return layout;
+  // (A query at a negative position is simply never a global token.)
+  if (alignment == Alignment::bottom_right && query_len > key_len) {
+    throw_argument("pattern.alignment",
+                   "bottom_right puts queries at negative positions, which a block_layout has no "
+                   "rows for, when L (" +
+                       std::to_string(query_len) + ") > S (" + std::to_string(key_len) + ")");
+  }
+  const Index block = pattern.block_size;
+  if (block < 1) {
+    throw_argument("pattern.block_size",
+                   "must be at least 1 with a block_layout, got " + std::to_string(block));
+  }
+  // Blocks covering every query position and every input key.
+  const Index last_position = layout.position(query_len - 1, query_len, key_len);
+  const Index rows_needed = std::max<Index>(last_position / block + 1, 1);
+  const Index cols_needed = (key_len + block - 1) / block;
+  const Shape& shape = pattern.block_layout.shape();
+  const std::size_t rank = shape.size();
+  const bool covers = (rank == 2 || rank == 3) && shape[rank - 2] >= rows_needed &&
+                      shape[rank - 1] >= cols_needed &&
+                      (rank == 2 || shape[0] == 1 || shape[0] == heads);
+  if (!covers) {
+    throw_shape("pattern.block_layout",
+                "[R, C] or [H = " + std::to_string(heads) +
+                    ", R, C] with R >= " + std::to_string(rows_needed) +
+                    ", C >= " + std::to_string(cols_needed) + " (blocks of " +
+                    std::to_string(block) + " covering L = " + std::to_string(query_len) +
+                    " query positions and S = " + std::to_string(key_len) + " keys)",
+                shape);
+  }
+  layout.blocks = pattern.block_layout.data();
+  layout.block = block;
+  layout.block_cols = shape[rank - 1];
+  layout.head_stride = rank == 3 && shape[0] == heads && heads > 1 ? shape[1] * shape[2] : 0;
+  return layout;
+}
+
 // What a kernel computes besides q, k, v: the masks (each may be kind none), causal masking,
 // the window and ALiBi over the first causal_cols keys, the scale, softcap and dropout.
 template <class T>
@@ -111,6 +208,7 @@ struct CoreOptions {
   Causal causal = Causal::none;
   Index causal_cols = 0;
   Window window;
+  PatternLayout pattern;  // global tokens and block layout over the first causal_cols keys
   // ALiBi: null, or one slope per query head; adds -slope_h * |c - j| to the scores of the input
   // keys, c = i or i + S - L (alibi_alignment), as FlashAttention's alibi_slopes.
   const T* alibi_slopes = nullptr;
@@ -148,7 +246,7 @@ struct CoreOptions {
   // True when some tiles need masks() (anything besides the scaled scores).
   bool any_mask() const {
     return attn_mask.kind != MaskKind::none || key_padding_mask.kind != MaskKind::none ||
-           causal != Causal::none || window.active() || alibi_slopes != nullptr;
+           causal != Causal::none || window.active() || pattern.active() || alibi_slopes != nullptr;
   }
 
   // Query i of L may see input keys j in [visible_begin(i), visible_end(i)) as far as causal
@@ -165,12 +263,34 @@ struct CoreOptions {
         end, std::clamp<Index>(window_centre(query_len, i) + window.right + 1, 0, causal_cols));
   }
 
-  // tile holds scores of queries row0.. and keys col0..: -inf where causal masking or the
-  // window hides a key.
+  // Whether causal masking, the window and the pattern let any query of rows
+  // [first_row, last_row] see any input key of [key_begin, key_end) (masks may block more): the
+  // flash kernels skip the key blocks for which it is false.
+  bool may_see(Index h, Index query_len, Index first_row, Index last_row, Index key_begin,
+               Index key_end) const {
+    if (key_begin >= causal_visible_end(causal, causal_cols, query_len, last_row)) return false;
+    if (pattern.active()) {
+      const Index first = pattern.position(first_row, query_len, causal_cols);
+      const Index last = pattern.position(last_row, query_len, causal_cols);
+      if (pattern.any_global(first, last) || pattern.any_global(key_begin, key_end - 1)) {
+        return true;
+      }
+      if (!pattern.any_block(h, first, last, key_begin, key_end)) return false;
+    }
+    return key_end > visible_begin(query_len, first_row) &&
+           key_begin < visible_end(query_len, last_row);
+  }
+
+  // tile holds scores of queries row0.. and keys col0.. of head h: -inf where causal masking,
+  // the window or the pattern hides a key.
   template <class Tile>
-  void apply_visible_range(Index query_len, Index row0, Index col0, Tile& tile) const {
-    if (causal == Causal::none && !window.active()) return;
+  void apply_visible_range(Index h, Index query_len, Index row0, Index col0, Tile& tile) const {
+    if (causal == Causal::none && !window.active() && !pattern.active()) return;
     const Index col_end = std::min(causal_cols, col0 + tile.cols());
+    if (pattern.active()) {
+      apply_pattern(h, query_len, row0, col0, col_end, tile);
+      return;
+    }
     for (Index i = 0; i < tile.rows(); ++i) {
       const Index begin = visible_begin(query_len, row0 + i);
       const Index end = visible_end(query_len, row0 + i);
@@ -198,13 +318,47 @@ struct CoreOptions {
     tile.setZero();
     attn_mask.apply(b, h, row0, col0, tile);
     key_padding_mask.apply(b, h, row0, col0, tile);
-    apply_visible_range(query_len, row0, col0, tile);
+    apply_visible_range(h, query_len, row0, col0, tile);
     if (alibi_slopes != nullptr) add_alibi(h, query_len, row0, col0, tile);
   }
 
  private:
   Index window_centre(Index query_len, Index i) const {
     return window.alignment == Alignment::bottom_right ? i + causal_cols - query_len : i;
+  }
+
+  bool window_allows(Index query_len, Index row, Index key) const {
+    const Index centre = window_centre(query_len, row);
+    return (window.left < 0 || key >= centre - window.left) &&
+           (window.right < 0 || key <= centre + window.right) &&
+           (centre - key) % window.dilation == 0;
+  }
+
+  // apply_visible_range with a pattern, key by key: global tokens reopen what the window and
+  // the block layout close, but not what causal masking closes.
+  template <class Tile>
+  void apply_pattern(Index h, Index query_len, Index row0, Index col0, Index col_end,
+                     Tile& tile) const {
+    const Index* global_end = pattern.global + pattern.global_count;
+    const Index* first_global_key = std::lower_bound(pattern.global, global_end, col0);
+    for (Index i = 0; i < tile.rows(); ++i) {
+      const Index row = row0 + i;
+      const Index position = pattern.position(row, query_len, causal_cols);
+      const Index end = std::min(col_end, causal_visible_end(causal, causal_cols, query_len, row));
+      const bool global_row = pattern.any_global(position, position);
+      const Index* next_global = first_global_key;
+      for (Index j = col0; j < end && !global_row; ++j) {
+        while (next_global != global_end && *next_global < j) ++next_global;
+        const bool global_key = next_global != global_end && *next_global == j;
+        if (!global_key &&
+            !(window_allows(query_len, row, j) && pattern.block_allows(h, position, j))) {
+          tile(i, j - col0) = -std::numeric_limits<T>::infinity();
+        }
+      }
+      for (Index j = std::max(end, col0); j < col_end; ++j) {
+        tile(i, j - col0) = -std::numeric_limits<T>::infinity();
+      }
+    }
   }
 
   template <class Tile>
@@ -261,6 +415,10 @@ struct KernelScratch {
   Matrix<T> grad_scores;
   Vector<T> row_dot;
   Matrix<T> capped;  // softcap's capped scores, as add_scores leaves them
+  // Talking heads (kernels/talking_heads.hpp) mixes across heads, so it keeps all H heads of one
+  // batch row at once: logits, probabilities and mixed weights, each [H * L, S'] (head h's
+  // [L, S'] block at rows h * L).
+  Matrix<T> head_logits, head_probs, head_weights;
 };
 
 // One KernelScratch per thread that the next parallel region can have.

@@ -8,7 +8,8 @@
 //   m'    = max(m, rowmax(tile));  p = exp(tile - m');  c = exp(m - m')
 //   sum   = c * sum + rowsum(p);   acc = c * acc + p v_blk;   m = m'
 // and once at the end out = acc / sum (a row that saw no visible key has sum 0 and gives 0).
-// Key blocks that causal masking hides from every query of the block are never visited.
+// Key blocks that causal masking, the window or the pattern hides from every query of the block
+// are never visited.
 // In training, dropout multiplies p by its mask after rowsum(p) (the softmax's normaliser is
 // that of the undropped weights), and the log-sum-exp m + log(sum) of each row is saved: the
 // backward pass (attention_flash_backward, below) recomputes any tile of P from it.
@@ -32,16 +33,39 @@ struct FlashBlocks {
   Index key = 256;
 };
 
-// Calls visit(j0, cols) for each key block that queries first_row..last_row may see: the input
-// keys within causal masking's and the window's limits, then the extra keys (bias_k, zero
-// attention). Key blocks outside those limits are never visited: a window of w keys costs
-// O(L·w), not O(L·S).
+// Calls visit(j0, cols) for each key block that queries first_row..last_row of head h may see:
+// the input keys within causal masking's, the window's and the pattern's limits, then the extra
+// keys (bias_k, zero attention). Key blocks outside those limits are never visited: a window of
+// w keys costs O(L·w), not O(L·S), and a block layout costs what its kept blocks cost.
 template <class T, class Visit>
-void for_each_key_block(const CoreOptions<T>& options, Index key_len, Index query_len,
+void for_each_key_block(const CoreOptions<T>& options, Index h, Index key_len, Index query_len,
                         Index first_row, Index last_row, Index block, Visit&& visit) {
-  const Index begin = options.visible_begin(query_len, first_row);
-  const Index end = options.visible_end(query_len, last_row);
-  for (Index j0 = begin; j0 < end; j0 += block) visit(j0, std::min(block, end - j0));
+  if (!options.pattern.active()) {
+    const Index begin = options.visible_begin(query_len, first_row);
+    const Index end = options.visible_end(query_len, last_row);
+    for (Index j0 = begin; j0 < end; j0 += block) visit(j0, std::min(block, end - j0));
+  } else {
+    // Runs of the layout's blocks (or of `block` keys) that some of the queries may see, cut
+    // into visits of at most `block` keys.
+    const Index end = causal_visible_end(options.causal, options.causal_cols, query_len, last_row);
+    const Index unit = options.pattern.blocks != nullptr ? options.pattern.block : block;
+    Index run_begin = 0, run_end = 0;
+    const auto flush = [&] {
+      for (Index j0 = run_begin; j0 < run_end; j0 += block) {
+        visit(j0, std::min(block, run_end - j0));
+      }
+    };
+    for (Index j0 = 0; j0 < end; j0 += unit) {
+      const Index j1 = std::min(end, j0 + unit);
+      if (!options.may_see(h, query_len, first_row, last_row, j0, j1)) continue;
+      if (j0 != run_end || run_end - run_begin + (j1 - j0) > block) {
+        flush();
+        run_begin = j0;
+      }
+      run_end = j1;
+    }
+    flush();
+  }
   for (Index j0 = options.causal_cols; j0 < key_len; j0 += block) {
     visit(j0, std::min(block, key_len - j0));
   }
@@ -138,7 +162,7 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
         if (options.dropout.active()) options.dropout.apply(b, h, i0, j0, s);
         acc_blk.noalias() += s * v_bh.middleRows(j0, cols);
       };
-      for_each_key_block(options, key_len, query_len, i0, i0 + rows - 1, blocks.key, process);
+      for_each_key_block(options, h, key_len, query_len, i0, i0 + rows - 1, blocks.key, process);
 
       // One division per row at the end; a row with no visible key stays 0.
       for (Index r = 0; r < rows; ++r) {
@@ -221,9 +245,8 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
           for (Index i0 = 0; i0 < query_len; i0 += blocks.query) {
             const Index rows = std::min(blocks.query, query_len - i0);
             const bool masked_tile = any_mask && j0 < masked_keys;
-            if (masked_tile && (j0 >= options.visible_end(query_len, i0 + rows - 1) ||
-                                j0 + cols <= options.visible_begin(query_len, i0))) {
-              continue;  // causal masking or the window hides this key block from the queries
+            if (masked_tile && !options.may_see(h, query_len, i0, i0 + rows - 1, j0, j0 + cols)) {
+              continue;  // causal masking, the window or the pattern hides this block
             }
             auto probs = mine.scores.topLeftCorner(rows, cols);
             if (masked_tile) {
@@ -264,7 +287,7 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
             grad_k_blk.noalias() += options.scale * (grad_scores.transpose() * q_blk);
           }
         };
-        for_each_key_block(options, key_len, query_len, 0, query_len - 1, blocks.key, key_block);
+        for_each_key_block(options, h, key_len, query_len, 0, query_len - 1, blocks.key, key_block);
       }
     }
   }
