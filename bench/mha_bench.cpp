@@ -211,6 +211,65 @@ void window(benchmark::State& state) {
   set_flops(state, 4.0 * static_cast<double>(H * D) * pairs);
 }
 
+// Block-sparse attention alone (sdpa, flash kernel), B = 1, H = 8, D = 64, L = S = 8192, no causal
+// masking: a random layout of 128 x 128 blocks keeping the diagonal and each other block with
+// probability 1 / range(0). The kernel visits only the key blocks a query block's layout rows
+// keep, so time should fall with the kept share; GFLOPS counts the kept pairs only (4·D FLOPs per
+// pair and head), so a constant GFLOPS means a cost proportional to the kept blocks.
+void block_sparse(benchmark::State& state) {
+  const mha::Index L = 8192, H = 8, D = 64, block = 128, blocks = L / block;
+  const auto q = random_tensor({1, H, L, D}, 1), k = random_tensor({1, H, L, D}, 2),
+             v = random_tensor({1, H, L, D}, 3);
+  mha::AttentionOptions<float> options;
+  options.kernel = mha::Kernel::flash;
+  options.pattern.block_size = block;
+  options.pattern.block_layout = mha::Tensor<bool>({blocks, blocks});
+  mha::Random random(4);
+  double kept = 0;
+  for (mha::Index i = 0; i < blocks; ++i) {
+    for (mha::Index j = 0; j < blocks; ++j) {
+      const bool keep = i == j || random.uniform() * static_cast<double>(state.range(0)) < 1;
+      options.pattern.block_layout(i, j) = keep;
+      kept += keep ? 1 : 0;
+    }
+  }
+  for (auto _ : state) {
+    auto result = mha::scaled_dot_product_attention(q, k, v, options);
+    benchmark::DoNotOptimize(result.output.data());
+  }
+  const double pairs = kept * static_cast<double>(block * block);
+  state.counters["kept_share"] = kept / static_cast<double>(blocks * blocks);
+  set_flops(state, 4.0 * static_cast<double>(H * D) * pairs);
+}
+
+// Longformer's pattern (sdpa, flash kernel), B = 1, H = 8, D = 64, L = S = 8192: a band of 256
+// keys on each side plus range(0) global tokens at positions 0.. (CLS tokens, attention sinks),
+// which see and are seen by every position. A global row makes its whole 64-query block visit
+// every key, so the first g rows cost about max(64, g)·L pairs besides the band; GFLOPS counts
+// the visible pairs only.
+void global_tokens(benchmark::State& state) {
+  const mha::Index L = 8192, H = 8, D = 64, w = 256, g = state.range(0);
+  const auto q = random_tensor({1, H, L, D}, 1), k = random_tensor({1, H, L, D}, 2),
+             v = random_tensor({1, H, L, D}, 3);
+  mha::AttentionOptions<float> options;
+  options.kernel = mha::Kernel::flash;
+  options.window = mha::Window{w, w};
+  for (mha::Index t = 0; t < g; ++t) options.pattern.global_tokens.push_back(t);
+  for (auto _ : state) {
+    auto result = mha::scaled_dot_product_attention(q, k, v, options);
+    benchmark::DoNotOptimize(result.output.data());
+  }
+  // Visible pairs: global rows see all L keys; other rows their band plus the global columns
+  // outside it.
+  double pairs = static_cast<double>(g) * static_cast<double>(L);
+  for (mha::Index i = g; i < L; ++i) {
+    const mha::Index begin = std::max<mha::Index>(0, i - w), end = std::min(L, i + w + 1);
+    pairs += static_cast<double>(end - begin + std::max<mha::Index>(0, std::min(g, begin)));
+  }
+  state.counters["visible_pairs_M"] = pairs * 1e-6;
+  set_flops(state, 4.0 * static_cast<double>(H * D) * pairs);
+}
+
 // A self-attention layer (E = 2048, H = 16, D = 128, like a small Llama) decoding one token for
 // each of B = range(0) sequences, with context = range(2) tokens in its KV cache, H_kv =
 // range(1). Each iteration is one decode step followed by a rewind, so the context stays the same;
@@ -361,6 +420,23 @@ BENCHMARK(window)
     ->Name("window/flash")
     ->ArgNames({"L", "w"})
     ->ArgsProduct({{16384}, {-1, 8192, 2048, 512, 128}})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(block_sparse)
+    ->Name("pattern/blocks")
+    ->ArgName("one_in")
+    ->Arg(1)
+    ->Arg(2)
+    ->Arg(4)
+    ->Arg(8)
+    ->Arg(16)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(global_tokens)
+    ->Name("pattern/band_global")
+    ->ArgName("g")
+    ->Arg(0)
+    ->Arg(1)
+    ->Arg(16)
+    ->Arg(64)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(decode)
     ->Name("decode")

@@ -60,6 +60,12 @@ Trial random_trial(mha::Random& random, int index) {
   trial.need_weights = chance(0.3);
   trial.kernel = trial.need_weights ? mha::Kernel::reference
                                     : (chance(0.5) ? mha::Kernel::flash : mha::Kernel::reference);
+  // Talking heads in a fifth of the trials: pre, post or both; reference kernel or automatic.
+  if (chance(0.2)) {
+    trial.config.talking_heads_pre = chance(0.7);
+    trial.config.talking_heads_post = !trial.config.talking_heads_pre || chance(0.5);
+    if (trial.kernel == mha::Kernel::flash) trial.kernel = mha::Kernel::automatic;
+  }
   trial.description =
       "trial " + std::to_string(index) + ": E " + std::to_string(trial.config.embed_dim) + " H " +
       std::to_string(heads) + " H_kv " + std::to_string(trial.config.num_kv_heads) + " bias " +
@@ -69,7 +75,9 @@ Trial random_trial(mha::Random& random, int index) {
       std::to_string(trial.self_attention) + " batched " + std::to_string(trial.batched) + " B " +
       std::to_string(trial.batch) + " L " + std::to_string(trial.query_len) + " S " +
       std::to_string(trial.key_len) + " dropout " + std::to_string(trial.config.dropout) +
-      " kernel " + mha::kernel_name(trial.kernel);
+      " kernel " + mha::kernel_name(trial.kernel) + " talking heads " +
+      std::to_string(trial.config.talking_heads_pre) + "/" +
+      std::to_string(trial.config.talking_heads_post);
   return trial;
 }
 

@@ -51,6 +51,11 @@ std::vector<Setup> setups() {
   sparse.pattern = true;
   sparse.window = 3;
   all.push_back(sparse);
+  Setup talking{"talking heads (pre and post) + GQA + RoPE", MultiHeadAttentionConfig(24, 3)};
+  talking.config.num_kv_heads = 1;
+  talking.config.talking_heads_pre = talking.config.talking_heads_post = true;
+  talking.rope = true;
+  all.push_back(talking);
   return all;
 }
 
@@ -140,7 +145,9 @@ TEMPLATE_TEST_CASE("decoding token by token or in chunks gives the full causal f
       randomise(layer, 11);
       const auto x = mha_test::random_tensor<T>({B, L, layer.embed_dim()}, 12);
       auto options = options_for<T>(setup, layer);
-      options.kernel = kernel;
+      // Talking heads run on the reference kernel only (flash is refused): automatic picks it.
+      const bool talking = setup.config.talking_heads_pre || setup.config.talking_heads_post;
+      options.kernel = talking && kernel == mha::Kernel::flash ? mha::Kernel::automatic : kernel;
       const auto full = layer.forward(x, options).output;
       for (const auto& chunks :
            {std::vector<Index>{1}, std::vector<Index>{3, 1, 4, 1, 5}, std::vector<Index>{L}}) {

@@ -570,3 +570,61 @@ TEST_CASE("prune_heads refuses what it cannot remove", "[prune][errors]") {
   bad.head_dim = 5;  // 3 heads of 5 in a 16-wide layer: allowed, H·D need not be E
   CHECK(MultiHeadAttention<double>(bad).inner_dim() == 15);
 }
+
+TEMPLATE_TEST_CASE("talking heads: identity mixes are plain attention, and mixing is per position",
+                   "[mha][talking]", float, double) {
+  using T = TestType;
+  MultiHeadAttentionConfig config(12, 3);
+  config.num_kv_heads = 1;
+  const auto plain = random_layer<T>(config, 3);
+  config.talking_heads_pre = config.talking_heads_post = true;
+  MultiHeadAttention<T> talking(config);
+  CHECK(talking.parameter_names() ==
+        std::vector<std::string>{"q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias",
+                                 "out_proj.weight", "out_proj.bias", "talking_heads_pre",
+                                 "talking_heads_post"});
+  CHECK(talking.parameter("talking_heads_pre").matrix().isIdentity());
+  for (const auto& name : plain.parameter_names()) {
+    talking.set_parameter(name, plain.parameter(name));
+  }
+  const auto x = mha_test::random_tensor<T>({2, 7, 12}, 4);
+  mha::ForwardOptions<T> options;
+  options.is_causal = true;
+  options.average_attn_weights = false;
+  options.kernel = mha::Kernel::reference;
+  const auto expected = plain.forward(x, options);
+  const auto actual = talking.forward(x, options);
+  CHECK_TENSORS_CLOSE(actual.output, expected.output);
+  CHECK_TENSORS_CLOSE(actual.attn_weights, expected.attn_weights);
+
+  // A post mix that swaps heads 0 and 1 swaps their weights; causal masking stays per position.
+  Tensor<T> swap({3, 3}, T(0));
+  swap(0, 1) = swap(1, 0) = swap(2, 2) = T(1);
+  talking.set_parameter("talking_heads_post", swap);
+  const auto swapped = talking.forward(x, options);
+  for (Index b = 0; b < 2; ++b) {
+    CHECK_TENSORS_CLOSE(Tensor<T>(swapped.attn_weights[b][0]),
+                        Tensor<T>(expected.attn_weights[b][1]));
+    CHECK_TENSORS_CLOSE(Tensor<T>(swapped.attn_weights[b][2]),
+                        Tensor<T>(expected.attn_weights[b][2]));
+  }
+
+  // A state_dict with the mixes builds a talking-heads layer.
+  const auto rebuilt = MultiHeadAttention<T>::from_state_dict(talking.state_dict(), 3);
+  CHECK(rebuilt.config().talking_heads_pre);
+  CHECK(rebuilt.config().talking_heads_post);
+  CHECK(rebuilt.forward(x, options).output.flat() == swapped.output.flat());
+
+  // What cannot mix heads is refused.
+  options.kernel = mha::Kernel::flash;
+  options.need_weights = false;
+  CHECK(mha_test::contains(
+      mha_test::message_of<mha::ShapeError>([&] { talking.forward(x, options); }),
+      "kernel: flash cannot mix heads"));
+  MultiHeadAttentionConfig full(12, 3);
+  full.talking_heads_pre = true;
+  MultiHeadAttention<T> unpruned(full);
+  CHECK(mha_test::contains(
+      mha_test::message_of<mha::ShapeError>([&] { unpruned.prune_heads({1}); }),
+      "prune_heads: with talking heads every head reads every other head's logits"));
+}

@@ -258,7 +258,10 @@ TEST_CASE("the flash kernel's outputs equal PyTorch's on every reference fixture
     INFO("fixture " << name);
     auto in = forward_only(read_fixture(name, "in"));
     const auto expected = read_fixture(name, "expected");
-    in.metadata["kernel"] = "flash";
+    // Talking heads mix heads, which flash cannot (refused): they stay on auto, the reference.
+    const bool talking =
+        in.tensors.count("talking_heads_pre") + in.tensors.count("talking_heads_post") > 0;
+    in.metadata["kernel"] = talking ? "auto" : "flash";
     in.metadata["need_weights"] = "0";
     const auto out = mha::tools::run_multihead_attention(in);
     REQUIRE(out.tensors.size() == 1);
@@ -483,6 +486,32 @@ TEST_CASE("the sparse-pattern fixtures are present and cover each part", "[refer
   CHECK(per_head >= 2);
   CHECK(bottom_right >= 1);
   CHECK(across_blocks >= 1);
+}
+
+// The talking_* fixtures: each mix alone and both, with GQA, softcap, RoPE and masks; gradients.
+TEST_CASE("the talking-heads fixtures are present and mix each way", "[reference][talking]") {
+  int cases = 0, with_gradients = 0, pre = 0, post = 0, both = 0, grouped = 0;
+  for (const auto& name : fixture_names()) {
+    if (name.rfind("talking_", 0) != 0) continue;
+    INFO("fixture " << name);
+    const auto in = read_fixture(name, "in");
+    ++cases;
+    with_gradients += in.tensors.count("grad_output") == 1;
+    const bool has_pre = in.tensors.count("talking_heads_pre") == 1;
+    const bool has_post = in.tensors.count("talking_heads_post") == 1;
+    REQUIRE((has_pre || has_post));
+    pre += has_pre && !has_post;
+    post += has_post && !has_pre;
+    both += has_pre && has_post;
+    grouped += in.tensors.count("k_proj_weight") == 1 &&
+               in.at("k_proj_weight").shape[0] < in.at("q_proj_weight").shape[0];
+  }
+  CHECK(cases >= 4);
+  CHECK(with_gradients >= 2);
+  CHECK(pre >= 1);
+  CHECK(post >= 1);
+  CHECK(both >= 2);
+  CHECK(grouped >= 1);
 }
 
 // The rope_* fixtures also go through every test above; this checks that they cover both layouts,

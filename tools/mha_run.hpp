@@ -32,6 +32,11 @@ IN holds:
     reads key/value head h / (H / H_kv)): always q_proj_weight [E, E], k_proj_weight
     [H_kv*D, kdim], v_proj_weight [H_kv*D, vdim] (D = E / H), in_proj_bias [E + 2*H_kv*D] (q, k,
     then v entries), bias_k and bias_v [1, 1, H_kv*D]. H_kv is the rows of k_proj_weight / D.
+  talking heads (Shazeer et al. 2020; no PyTorch module has them): talking_heads_pre [H, H], which
+    mixes the heads' logits before the masks and the softmax (head g's logits become
+    sum_h pre[g, h] * logits_h), and/or talking_heads_post [H, H], which mixes their weights after
+    it; each present one is used (and gets a grad.* with grad_output). They need the reference
+    kernel: kernel auto picks it, flash is refused.
   a layer whose heads were pruned (MultiHeadAttention::prune_heads): H*D != E, the heads' rows
     of the projections and the columns of out_proj.weight [E, H*D] shrink; D is read from
     out_proj.weight's columns / num_heads.

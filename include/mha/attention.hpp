@@ -17,6 +17,7 @@
 
 #include "mha/kernels/flash.hpp"
 #include "mha/kernels/reference.hpp"
+#include "mha/kernels/talking_heads.hpp"
 #include "mha/mask.hpp"
 #include "mha/tensor.hpp"
 
@@ -50,28 +51,38 @@ inline Kernel resolve_kernel(Kernel requested, bool need_weights) {
 }
 
 // Runs the chosen kernel over (B, H) heads; weights as in attention_reference, logsumexp (for
-// the flash backward) as in attention_flash.
+// the flash backward) as in attention_flash. With talking heads, the talking-heads kernel (a
+// reference kernel that mixes heads), whatever `kernel` says: callers refuse flash before.
 template <class T>
 void attention(Kernel kernel, Index batch, Index heads, const HeadLayout<const T>& q,
                const HeadLayout<const T>& k, const HeadLayout<const T>& v, const HeadLayout<T>& out,
                const CoreOptions<T>& options, T* weights, std::vector<KernelScratch<T>>& scratch,
                T* logsumexp = nullptr) {
-  if (kernel == Kernel::flash) {
+  if (options.talking_heads.active()) {
+    attention_talking_heads<T>(batch, heads, q, k, v, out, options, options.talking_heads, weights,
+                               scratch);
+  } else if (kernel == Kernel::flash) {
     attention_flash<T>(batch, heads, q, k, v, out, options, scratch, logsumexp);
   } else {
     attention_reference<T>(batch, heads, q, k, v, out, options, weights, scratch);
   }
 }
 
-// The backward of the kernel that ran forward; the flash one needs its logsumexp.
+// The backward of the kernel that ran forward; the flash one needs its logsumexp. With talking
+// heads, grad_pre and grad_post (null, or [H, H]) receive the mixes' gradients.
 template <class T>
 void attention_backward(Kernel kernel, Index batch, Index heads, const HeadLayout<const T>& q,
                         const HeadLayout<const T>& k, const HeadLayout<const T>& v,
                         const HeadLayout<const T>& out, const HeadLayout<const T>& grad_out,
                         const T* logsumexp, const HeadLayout<T>& grad_q,
                         const HeadLayout<T>& grad_k, const HeadLayout<T>& grad_v,
-                        const CoreOptions<T>& options, std::vector<KernelScratch<T>>& scratch) {
-  if (kernel == Kernel::flash) {
+                        const CoreOptions<T>& options, std::vector<KernelScratch<T>>& scratch,
+                        T* grad_pre = nullptr, T* grad_post = nullptr) {
+  if (options.talking_heads.active()) {
+    attention_talking_heads_backward<T>(batch, heads, q, k, v, grad_out, grad_q, grad_k, grad_v,
+                                        options, options.talking_heads, grad_pre, grad_post,
+                                        scratch);
+  } else if (kernel == Kernel::flash) {
     attention_flash_backward<T>(batch, heads, q, k, v, out, grad_out, logsumexp, grad_q, grad_k,
                                 grad_v, options, scratch);
   } else {

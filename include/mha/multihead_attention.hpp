@@ -6,11 +6,15 @@
 //   q_proj_weight [E, E], k_proj_weight [E, kdim], v_proj_weight [E, vdim] (otherwise)
 //   in_proj_bias [3E], out_proj.weight [E, E], out_proj.bias [E]       (bias = true)
 //   bias_k, bias_v [1, 1, E]                                            (add_bias_kv = true)
+//   talking_heads_pre, talking_heads_post [H, H]      (talking_heads_pre / _post = true; no
+//                                                      PyTorch module has them)
 // Every projection is y = x Wᵀ + b. The forward pass:
 //   q, k, v = projections of query [B, L, E], key [B, S, kdim], value [B, S, vdim]
 //   k, v   += bias_k, bias_v as one more key/value row        (add_bias_kv)
 //   k, v   += one zero row                                     (add_zero_attn)
 //   per head h (feature columns h*D .. (h+1)*D): softmax(q_h k_hᵀ / sqrt(D) + masks) v_h
+//     (with talking heads, the logits are mixed across heads before the softmax and the weights
+//     after it: see kernels/talking_heads.hpp)
 //   output = concat(heads) W_oᵀ + b_o
 //
 // Masks follow PyTorch MHA, with polarity named (see mask.hpp): wrap a boolean PyTorch MHA mask
@@ -57,6 +61,7 @@ struct ParameterSet {
   Tensor<T> in_proj_weight, q_proj_weight, k_proj_weight, v_proj_weight;
   Tensor<T> in_proj_bias, bias_k, bias_v;
   Tensor<T> out_proj_weight, out_proj_bias;
+  Tensor<T> talking_heads_pre, talking_heads_post;
 };
 
 // The checked shapes of one forward call, and what they decide.
@@ -90,6 +95,13 @@ struct MultiHeadAttentionConfig {
   // decouples the heads' total width H·D from E: q_proj_weight is then [H·D, E] and
   // out_proj.weight [E, H·D], as a layer after prune_heads has them.
   Index head_dim = 0;
+  // Talking-heads attention (Shazeer et al. 2020): learned [H, H] mixes of the heads' logits
+  // before the softmax (talking_heads_pre) and of their weights after it (talking_heads_post),
+  // each initialised to the identity, so that a new layer computes plain attention. Every head
+  // then reads every other, so the reference kernel computes it (Kernel::flash is refused) and
+  // prune_heads is refused.
+  bool talking_heads_pre = false;
+  bool talking_heads_post = false;
   double dropout = 0;
   std::uint64_t seed = 0;
 
@@ -249,6 +261,9 @@ class MultiHeadAttention {
       params_.bias_k = Tensor<T>({1, 1, kv_width});
       params_.bias_v = Tensor<T>({1, 1, kv_width});
     }
+    const Index heads = config_.num_heads;
+    if (config_.talking_heads_pre) params_.talking_heads_pre = Tensor<T>({heads, heads});
+    if (config_.talking_heads_post) params_.talking_heads_post = Tensor<T>({heads, heads});
     reset_parameters(config_.seed);
     seed_dropout(config_.seed);
   }
@@ -275,6 +290,8 @@ class MultiHeadAttention {
     config.add_zero_attn = add_zero_attn;
     config.bias = state.count("in_proj_bias") > 0 || state.count("out_proj.bias") > 0;
     config.add_bias_kv = state.count("bias_k") > 0 || state.count("bias_v") > 0;
+    config.talking_heads_pre = state.count("talking_heads_pre") > 0;
+    config.talking_heads_post = state.count("talking_heads_post") > 0;
     const auto width = [&](const char* name) -> Index {
       const auto it = state.find(name);
       if (it == state.end()) return 0;
@@ -308,7 +325,8 @@ class MultiHeadAttention {
   }
 
   // PyTorch's _reset_parameters: xavier-uniform over the whole in_proj_weight (or each of the
-  // q/k/v weights), zero biases, out_proj.weight as nn.Linear, xavier-normal bias_k/bias_v.
+  // q/k/v weights), zero biases, out_proj.weight as nn.Linear, xavier-normal bias_k/bias_v; and
+  // identity talking-heads mixes.
   void reset_parameters(std::uint64_t seed) {
     Random random(seed);
     const Index embed = config_.embed_dim;
@@ -328,6 +346,9 @@ class MultiHeadAttention {
       // A [1, 1, n] tensor has fan_in = fan_out = n for torch's fan computation.
       xavier_normal(params_.bias_k, kv_dim(), kv_dim(), random);
       xavier_normal(params_.bias_v, kv_dim(), kv_dim(), random);
+    }
+    for (Tensor<T>* mix : {&params_.talking_heads_pre, &params_.talking_heads_post}) {
+      if (mix->size() > 0) mix->matrix().setIdentity();
     }
   }
 
@@ -550,6 +571,9 @@ class MultiHeadAttention {
     }
     const T* attended = forward.attended.data();
     const T* grad_attended_data = grad_attended.data();
+    Tensor<T> grad_pre, grad_post;  // [H, H] with talking heads, else empty (null)
+    if (config_.talking_heads_pre) grad_pre.resize({heads, heads});
+    if (config_.talking_heads_post) grad_post.resize({heads, heads});
     detail::attention_backward<T>(
         plan.kernel, plan.batch, heads, head_layout(q_data, plan.query_len, q_stride),
         kv_head_layout(k_data, plan.total_keys, kv_stride),
@@ -558,7 +582,11 @@ class MultiHeadAttention {
         head_layout(grad_attended_data, plan.query_len, inner), saved.logsumexp_.data(),
         head_layout(grad_q_data, plan.query_len, q_stride),
         kv_head_layout(grad_k_data, plan.total_keys, kv_stride),
-        kv_head_layout(grad_v_data, plan.total_keys, kv_stride), core, saved.workspace_.kernel);
+        kv_head_layout(grad_v_data, plan.total_keys, kv_stride), core, saved.workspace_.kernel,
+        grad_pre.data(), grad_post.data());
+    // The kernel overwrites the mixes' gradients; parameters' gradients accumulate.
+    if (config_.talking_heads_pre) grads_.talking_heads_pre.flat() += grad_pre.flat();
+    if (config_.talking_heads_post) grads_.talking_heads_post.flat() += grad_post.flat();
     if (saved.options_.rope) {
       rotate_queries_and_keys(plan, saved.options_, saved.workspace_, grad_q_data, q_stride,
                               grad_k_data, kv_stride, true);
@@ -645,9 +673,16 @@ class MultiHeadAttention {
   // are unchanged; averaged weights now average over H' heads. Gradients are dropped (the next
   // forward_train, zero_grad or parameters() allocates them in the new shapes), and ParameterRefs
   // taken before (an optimiser's) point to the old shapes: take them again. Refused for
-  // grouped-query layers, whose query heads share key/value heads.
+  // grouped-query layers, whose query heads share key/value heads, and with talking heads, where
+  // a head gated to 0 still feeds the others' mixes.
   void prune_heads(const std::vector<Index>& heads) {
     const Index count = config_.num_heads, width = head_dim();
+    if (config_.talking_heads_pre || config_.talking_heads_post) {
+      detail::throw_argument("prune_heads",
+                             "with talking heads every head reads every other head's logits or "
+                             "weights, so removing a head is not gating it: gate it instead "
+                             "(ForwardOptions::head_gate)");
+    }
     if (num_kv_heads() != count) {
       detail::throw_argument("prune_heads",
                              "a grouped-query layer (" + std::to_string(num_kv_heads()) +
@@ -743,7 +778,7 @@ class MultiHeadAttention {
     const Index inner = inner_dim();
     const Index batch = cache.batch();
     const Index steps = check_decode(x, cache, options, new_tokens);
-    const Kernel kernel = detail::resolve_kernel(options.kernel, false);
+    const Kernel kernel = resolve_kernel(options.kernel, false);
     const Index rotary_dim =
         options.rope ? detail::checked_rotary_dim(*options.rope, head_dim()) : 0;
     detail::CoreOptions<T> core;
@@ -754,6 +789,7 @@ class MultiHeadAttention {
     core.alibi_slopes = detail::checked_alibi_slopes(options.alibi_slopes, heads);
     core.alibi_alignment = Alignment::bottom_right;
     core.softcap = detail::checked_softcap(options.softcap);
+    core.talking_heads = talking_heads();
 
     // Every sequence's n rows projected at once; padding rows too (cheaper than gathering).
     const Index rows = batch * steps;
@@ -948,7 +984,7 @@ class MultiHeadAttention {
     // S' keys: the inputs', then bias_k, then the zero key.
     plan.total_keys =
         plan.key_len + (config_.add_bias_kv ? 1 : 0) + (config_.add_zero_attn ? 1 : 0);
-    plan.kernel = detail::resolve_kernel(options.kernel, options.need_weights);
+    plan.kernel = resolve_kernel(options.kernel, options.need_weights);
     if (options.rope) detail::checked_rotary_dim(*options.rope, head_dim());
     check_head_gate(options.head_gate);
     detail::check_window(options.window);
@@ -978,7 +1014,24 @@ class MultiHeadAttention {
     core.alibi_slopes = detail::checked_alibi_slopes(options.alibi_slopes, config_.num_heads);
     core.alibi_alignment = options.causal_alignment;
     core.softcap = detail::checked_softcap(options.softcap);
+    core.talking_heads = talking_heads();
     return core;
+  }
+
+  detail::TalkingHeads<T> talking_heads() const {
+    return {config_.talking_heads_pre ? params_.talking_heads_pre.data() : nullptr,
+            config_.talking_heads_post ? params_.talking_heads_post.data() : nullptr};
+  }
+
+  // The kernel a call runs: talking heads mix heads, which only the reference kernel can.
+  Kernel resolve_kernel(Kernel requested, bool need_weights) const {
+    if (!talking_heads().active()) return detail::resolve_kernel(requested, need_weights);
+    if (requested == Kernel::flash) {
+      detail::throw_argument("kernel",
+                             "flash cannot mix heads: talking heads run on Kernel::reference "
+                             "(which Kernel::automatic picks)");
+    }
+    return Kernel::reference;
   }
 
   // Head h of batch b: rows b*rows.., columns h*D.. of a buffer whose rows are `stride` apart.
@@ -1168,6 +1221,10 @@ class MultiHeadAttention {
     }
     named.emplace_back("out_proj.weight", &set.out_proj_weight);
     if (config_.bias) named.emplace_back("out_proj.bias", &set.out_proj_bias);
+    if (config_.talking_heads_pre) named.emplace_back("talking_heads_pre", &set.talking_heads_pre);
+    if (config_.talking_heads_post) {
+      named.emplace_back("talking_heads_post", &set.talking_heads_post);
+    }
     return named;
   }
   std::vector<std::pair<std::string, const Tensor<T>*>> named_parameters() const {

@@ -27,7 +27,8 @@
       stream) get a head_mask tensor [H] of gates 0, 1 or fractions (and grad.head_mask), and
       --pattern-share (default 0.2, its own stream) a sparse pattern: a window dilation, global
       tokens or a block layout (generate.pattern_variant), checked against generate.naive_mha and,
-      folded into attn_mask, against torch's module.
+      folded into attn_mask, against torch's module; and --talking-share (default 0.15, its own
+      stream) talking heads (talking_heads_pre, _post or both), checked against generate.naive_mha.
       A share of the cases (--grad-share, default 0.5; 0 turns gradients off; the choice comes from
       its own random stream, so --seed K gives the same configurations whatever the share) also get
       a random `grad_output` in IN, and a third of those without weights metadata kernel=reference.
@@ -200,6 +201,8 @@ def modern_kinds(spec):
         kinds.append("global_tokens")
     if spec.block is not None:
         kinds.append("block_layout" + (" per head" if spec.block[1] else " shared"))
+    if spec.talking is not None:
+        kinds.append("talking heads " + spec.talking)
     if spec.rope is not None:
         kinds.append("rope " + ("interleaved" if spec.rope[1] else "rotate-half") +
                      ("" if spec.rope[2] is None else " partial"))
@@ -208,7 +211,7 @@ def modern_kinds(spec):
 
 def run_random(args, work_dir):
     specs = gen.random_specs(args.count, args.seed, args.gqa_share, args.modern_share, args.rope_share,
-                             args.gate_share, args.pattern_share)
+                             args.gate_share, args.pattern_share, args.talking_share)
     select_gradients(specs, args.seed, args.grad_share)
     passed = failed = 0
     with_grad = 0
@@ -489,6 +492,8 @@ def main(argv=None):
     ap.add_argument("--pattern-share", type=float, default=0.2, metavar="P",
                     help="share of the random cases given a window dilation, global tokens or a block "
                          "layout (default: %(default)s)")
+    ap.add_argument("--talking-share", type=float, default=0.15, metavar="P",
+                    help="share of the random cases given talking heads (default: %(default)s)")
     ap.add_argument("--malformed", action="store_true", help="check malformed inputs instead")
     ap.add_argument("--cases-dir", metavar="DIR", help="check existing NAME.in/NAME.expected pairs in DIR instead")
     ap.add_argument("--keep", metavar="DIR", help="write the cases and outputs to DIR and keep them")
@@ -503,6 +508,8 @@ def main(argv=None):
         ap.error(f"--modern-share must be in [0, 1], got {args.modern_share}")
     if not 0.0 <= args.gate_share <= 1.0:
         ap.error(f"--gate-share must be in [0, 1], got {args.gate_share}")
+    if not 0.0 <= args.talking_share <= 1.0:
+        ap.error(f"--talking-share must be in [0, 1], got {args.talking_share}")
     if not 0.0 <= args.pattern_share <= 1.0:
         ap.error(f"--pattern-share must be in [0, 1], got {args.pattern_share}")
     if not 0.0 <= args.rope_share <= 1.0:

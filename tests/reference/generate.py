@@ -274,7 +274,7 @@ class Spec:
                  attn_mask=None, attn_inf=False, kpm=None, kpm_inf=False, is_causal=False,
                  need_weights=True, average=True, meta="full", seed=None, kernel=None, grad=False,
                  num_kv_heads=None, causal_alignment=None, window=None, alibi=None, softcap=None,
-                 rope=None, head_mask=None, dilation=None, global_tokens=None, block=None):
+                 rope=None, head_mask=None, dilation=None, global_tokens=None, block=None, talking=None):
         assert dtype in ("f32", "f64")
         assert attn_mask in (None, "bool2d", "bool3d", "float2d", "float3d")
         assert kpm in (None, "bool", "float")
@@ -336,19 +336,23 @@ class Spec:
         self.global_tokens = None if global_tokens is None else [int(g) for g in global_tokens]
         self.block = block
         self.layout = None
+        # Talking heads: None, "pre", "post" or "both": [H, H] parameters talking_heads_pre / _post.
+        assert talking in (None, "pre", "post", "both"), name
+        self.talking = talking
 
     @property
     def modern(self):
         """Sets a window, causal alignment, ALiBi or softcap: computed by written_out_mha."""
         return (self.causal_alignment is not None or self.window is not None or self.alibi is not None
                 or self.softcap is not None or self.rope is not None or self.head_mask is not None
-                or self.dilation is not None or self.global_tokens is not None or self.block is not None)
+                or self.dilation is not None or self.global_tokens is not None or self.block is not None
+                or self.talking is not None)
 
     @property
     def foldable(self):
         """Whether torch's module can compute the case with everything folded into attn_mask: not with
         softcap or rotary embeddings, which change the scores themselves, nor with a head mask."""
-        return not self.softcap and self.rope is None and self.head_mask is None
+        return not self.softcap and self.rope is None and self.head_mask is None and self.talking is None
 
     @property
     def bottom_right(self):
@@ -436,6 +440,8 @@ class Spec:
             parts.append("global=" + ",".join(str(g) for g in self.global_tokens))
         if self.block is not None:
             parts.append(f"blocks={self.block[0]}{'/head' if self.block[1] else ''}@{self.block[2]:g}")
+        if self.talking is not None:
+            parts.append("talking=" + self.talking)
         if not self.need_weights:
             parts.append("no-weights")
         elif not self.average:
@@ -668,6 +674,10 @@ def param_shapes(spec):
         shapes.update({"in_proj_bias": (E + 2 * W,), "out_proj.bias": (E,)})
     if spec.add_bias_kv:
         shapes.update({"bias_k": (1, 1, W), "bias_v": (1, 1, W)})
+    if spec.talking in ("pre", "both"):
+        shapes["talking_heads_pre"] = (spec.H, spec.H)
+    if spec.talking in ("post", "both"):
+        shapes["talking_heads_post"] = (spec.H, spec.H)
     return shapes
 
 
@@ -766,7 +776,18 @@ def written_out_mha(spec, p, query, key, value, attn_mask, kpm):
         v = v.reshape(B, H_kv, s_prime, D).repeat_interleave(group, dim=1).reshape(B * H, s_prime, D)
     q_scaled = q / math.sqrt(D)
     mask = _additive_mask(spec, attn_mask, kpm, q.dtype)
-    if spec.softcap:  # capped before any mask or bias is added, on every column
+    if spec.talking is not None:
+        # talking heads (Shazeer et al. 2020): the logits (capped first) mixed across heads with
+        # talking_heads_pre, then the mask, the softmax, and the weights mixed with talking_heads_post
+        scores = torch.bmm(q_scaled, k.transpose(-2, -1))
+        if spec.softcap:
+            scores = spec.softcap * torch.tanh(scores / spec.softcap)
+        if "talking_heads_pre" in p:
+            scores = torch.einsum("gh,bhls->bgls", p["talking_heads_pre"],
+                                  scores.view(B, H, L, s_prime)).reshape(B * H, L, s_prime)
+        if mask is not None:
+            scores = scores + F.pad(mask, (0, s_prime - spec.S)).reshape(B * H, L, s_prime)
+    elif spec.softcap:  # capped before any mask or bias is added, on every column
         scores = torch.bmm(q_scaled, k.transpose(-2, -1))
         scores = spec.softcap * torch.tanh(scores / spec.softcap)
         if mask is not None:
@@ -777,6 +798,9 @@ def written_out_mha(spec, p, query, key, value, attn_mask, kpm):
         mask = F.pad(mask, (0, s_prime - spec.S)).reshape(B * H, L, s_prime)
         scores = torch.baddbmm(mask, q_scaled, k.transpose(-2, -1))
     weights = torch.softmax(scores, dim=-1)                        # [B*H, L, S']
+    if "talking_heads_post" in p:
+        weights = torch.einsum("gh,bhls->bgls", p["talking_heads_post"],
+                               weights.view(B, H, L, s_prime)).reshape(B * H, L, s_prime)
     if "head_mask" in p:  # Hugging Face's head_mask: the weights (so the outputs) of head h times m_h
         weights = (weights.view(B, H, L, s_prime) * p["head_mask"].view(1, H, 1, 1)).view(B * H, L, s_prime)
     attended = torch.bmm(weights, v)                              # [B*H, L, D]
@@ -1051,9 +1075,11 @@ def naive_mha(spec, p, query, key, value, attn_mask, kpm):
             total -= float(spec.slopes[h]) * abs(c - j)
         return total
 
+    # talking heads: head h's logits are sum_j pre[h, j] * logits_j, its weights sum_j post[h, j] * P_j
+    pre, post = p.get("talking_heads_pre"), p.get("talking_heads_post")
     heads, weights = [], []
     for bb in range(B):
-        out_b, w_b = [], []
+        logits = []
         for h in range(H):
             g = h // group
             q_h, k_h = q[bb, :, h * D:(h + 1) * D], k[bb, :, g * D:(g + 1) * D]
@@ -1063,9 +1089,17 @@ def naive_mha(spec, p, query, key, value, attn_mask, kpm):
             s = q_h @ k_h.T / math.sqrt(D)
             if spec.softcap:
                 s = spec.softcap * torch.tanh(s / spec.softcap)
+            logits.append(s)
+        probs = []
+        for h in range(H):
+            s = logits[h] if pre is None else sum(pre[h, j] * logits[j] for j in range(H))
             bias = torch.tensor([[score_bias(bb, h, i, j) for j in range(s_prime)] for i in range(L)],
                                 dtype=s.dtype)
-            w = torch.softmax(s + bias, dim=-1)
+            probs.append(torch.softmax(s + bias, dim=-1))
+        out_b, w_b = [], []
+        for h in range(H):
+            g = h // group
+            w = probs[h] if post is None else sum(post[h, j] * probs[j] for j in range(H))
             head_out = w @ v[bb, :, g * D:(g + 1) * D]
             if "head_mask" in p:  # the gate on the head's output and on its weights
                 head_out, w = p["head_mask"][h] * head_out, p["head_mask"][h] * w
@@ -1130,7 +1164,8 @@ def build_case(spec, cross_check=True):
                                     batch_first=True, dtype=tdt)
         mha.eval()
         torch_shapes = {n: tuple(p.shape) for n, p in mha.state_dict().items()}
-        assert torch_shapes == shapes, (spec.name, torch_shapes, shapes)
+        module_shapes = {n: x for n, x in shapes.items() if not n.startswith("talking_heads_")}
+        assert torch_shapes == module_shapes, (spec.name, torch_shapes, shapes)
     # every parameter random, biases included (torch initialises them to zero), in name order
     params = {name: rng.normal(0.0, 0.5, shapes[name]).astype(fdt) for name in sorted(shapes)}
     if mha is not None:
@@ -1724,6 +1759,33 @@ def pattern_cases():
     ]
 
 
+def talking_cases():
+    """Talking heads (talking_*; talking_grad_* with gradients): [H, H] parameters talking_heads_pre
+    (mixing the logits before the masks and the softmax) and talking_heads_post (mixing the weights
+    after it), drawn like the other parameters. Torch's module cannot mix heads: computed by
+    written_out_mha (einsum), checked against naive_mha (a sum over heads per head)."""
+    def C(name, description, **kw):
+        return Spec(name, description, **kw)
+
+    def G(name, description, **kw):
+        return Spec(name, description, grad=True, **kw)
+    return [
+        C("talking_f32_both_self_causal", "pre and post mixes, causal self-attention, per-head weights",
+          dtype="f32", B=2, L=6, E=12, H=3, self_attn=True, is_causal=True, talking="both", average=False),
+        C("talking_f64_pre_cross_kpm_bias_kv", "pre mix only, cross-attention L=4 S=7, bool kpm, add_bias_kv, "
+          "add_zero_attn",
+          dtype="f64", B=2, L=4, S=7, E=8, H=2, talking="pre", kpm="bool", add_bias_kv=True,
+          add_zero_attn=True),
+        G("talking_grad_f32_post_gqa_alibi_window", "post mix only, GQA 4/2, ALiBi paper, window (3, 0)",
+          dtype="f32", B=2, L=6, E=16, H=4, num_kv_heads=2, self_attn=True, talking="post", alibi="paper",
+          window=(3, 0)),
+        G("talking_grad_f64_both_softcap_rope_bottom_right", "both mixes, softcap 5, RoPE, bottom-right "
+          "causal with L < S, float attn_mask",
+          dtype="f64", B=1, L=3, S=6, E=8, H=2, talking="both", softcap=5.0, rope=(100.0, True, None),
+          is_causal=True, causal_alignment="bottom_right", attn_mask="float2d"),
+    ]
+
+
 def head_mask_cases():
     """Per-head gates (head_mask_*; head_mask_grad_* with gradients): a head_mask tensor [H] whose
     gate m_h multiplies head h's weights and so its output (Hugging Face's head_mask); gates of 0
@@ -1875,14 +1937,19 @@ def pattern_variant(spec, rng):
     return p
 
 
+# And for talking heads (ASCII "talk").
+_TALKING_STREAM = 0x74616C6B
+
+
 def random_specs(count, seed, gqa_share=0.0, modern_share=0.0, rope_share=0.0, gate_share=0.0,
-                 pattern_share=0.0):
+                 pattern_share=0.0, talking_share=0.0):
     rng = np.random.default_rng(seed)
     gqa_rng = np.random.default_rng([seed, _GQA_STREAM])
     modern_rng = np.random.default_rng([seed, _MODERN_STREAM])
     rope_rng = np.random.default_rng([seed, _ROPE_STREAM])
     gate_rng = np.random.default_rng([seed, _GATE_SELECT_STREAM])
     pattern_rng = np.random.default_rng([seed, _PATTERN_STREAM])
+    talking_rng = np.random.default_rng([seed, _TALKING_STREAM])
     specs = []
     for i in range(count):
         while True:
@@ -1919,6 +1986,11 @@ def random_specs(count, seed, gqa_share=0.0, modern_share=0.0, rope_share=0.0, g
             s = copy.copy(s)
             s.head_mask = "random"
             s.description = "random configuration: " + s.summary()
+        kind = ["pre", "post", "both"][int(talking_rng.integers(0, 3))]
+        if talking_rng.random() < talking_share:
+            s = copy.copy(s)
+            s.talking = kind
+            s.description = "random configuration: " + s.summary()
         specs.append(s)
     return specs
 
@@ -1943,15 +2015,17 @@ def main(argv=None):
     ap.add_argument("--pattern-share", type=float, default=0.0, metavar="P",
                     help="share of the --random cases given a dilation, global tokens or a block layout "
                          "(default: %(default)s)")
+    ap.add_argument("--talking-share", type=float, default=0.0, metavar="P",
+                    help="share of the --random cases given talking heads (default: %(default)s)")
     ap.add_argument("--only", metavar="PREFIX", action="append",
                     help="write only the committed cases whose name starts with PREFIX (repeatable)")
     args = ap.parse_args(argv)
 
     specs = random_specs(args.random, args.seed, args.gqa_share, args.modern_share, args.rope_share,
-                         args.gate_share, args.pattern_share) \
+                         args.gate_share, args.pattern_share, args.talking_share) \
         if args.random is not None else (fixed_cases() + gradient_cases() + gqa_cases() + modern_cases()
                                          + rope_cases() + head_mask_cases() + dilation_cases()
-                                         + pattern_cases())
+                                         + pattern_cases() + talking_cases())
     if args.only:
         specs = [s for s in specs if any(s.name.startswith(p) for p in args.only)]
     names = [s.name for s in specs]

@@ -199,6 +199,15 @@ inline PatternLayout checked_pattern(const SparsePattern& pattern, Index heads, 
   return layout;
 }
 
+// Talking heads' [H, H] row-major mixes of the logits (pre) and of the weights (post); null =
+// no mixing at that stage. See kernels/talking_heads.hpp.
+template <class T>
+struct TalkingHeads {
+  const T* pre = nullptr;
+  const T* post = nullptr;
+  bool active() const { return pre != nullptr || post != nullptr; }
+};
+
 // What a kernel computes besides q, k, v: the masks (each may be kind none), causal masking,
 // the window and ALiBi over the first causal_cols keys, the scale, softcap and dropout.
 template <class T>
@@ -218,6 +227,8 @@ struct CoreOptions {
   // c tanh(scale q kᵀ / c) before masks and biases are added; 0 = none.
   T softcap = T(0);
   Dropout<T> dropout;
+  // Talking heads: only the talking-heads kernel (attention_talking_heads) reads it.
+  TalkingHeads<T> talking_heads;
 
   // tile += the scaled (and capped) scores of q [rows, D] against k [cols, D]. With softcap, the
   // capped scores are left in the top-left corner of `capped` (which the caller sized to hold the
@@ -316,9 +327,11 @@ struct CoreOptions {
   template <class Tile>
   void masks(Index b, Index h, Index query_len, Index row0, Index col0, Tile& tile) const {
     tile.setZero();
+    // Positions first, while the tile holds only zeros: a pattern's global tokens set keys back
+    // to 0 (see apply_pattern); the masks then add to 0 or leave -inf.
+    apply_visible_range(h, query_len, row0, col0, tile);
     attn_mask.apply(b, h, row0, col0, tile);
     key_padding_mask.apply(b, h, row0, col0, tile);
-    apply_visible_range(h, query_len, row0, col0, tile);
     if (alibi_slopes != nullptr) add_alibi(h, query_len, row0, col0, tile);
   }
 
@@ -334,29 +347,45 @@ struct CoreOptions {
            (centre - key) % window.dilation == 0;
   }
 
-  // apply_visible_range with a pattern, key by key: global tokens reopen what the window and
-  // the block layout close, but not what causal masking closes.
+  // apply_visible_range with a pattern, a row at a time on a tile that holds only zeros (masks()
+  // applies it first): ranges outside the window and blocks the layout drops become -inf, then
+  // the global keys that causal masking allows are set back to 0 (global tokens reopen what the
+  // window and the layout close, but not what causal masking closes).
   template <class Tile>
   void apply_pattern(Index h, Index query_len, Index row0, Index col0, Index col_end,
                      Tile& tile) const {
+    constexpr T kBlocked = -std::numeric_limits<T>::infinity();
     const Index* global_end = pattern.global + pattern.global_count;
     const Index* first_global_key = std::lower_bound(pattern.global, global_end, col0);
     for (Index i = 0; i < tile.rows(); ++i) {
       const Index row = row0 + i;
+      auto tile_row = tile.row(i);
+      const auto block_out = [&](Index begin, Index end) {  // keys [begin, end) of the tile
+        if (begin < end) tile_row.segment(begin - col0, end - begin).setConstant(kBlocked);
+      };
+      const Index causal_end =
+          std::min(col_end, causal_visible_end(causal, causal_cols, query_len, row));
       const Index position = pattern.position(row, query_len, causal_cols);
-      const Index end = std::min(col_end, causal_visible_end(causal, causal_cols, query_len, row));
-      const bool global_row = pattern.any_global(position, position);
-      const Index* next_global = first_global_key;
-      for (Index j = col0; j < end && !global_row; ++j) {
-        while (next_global != global_end && *next_global < j) ++next_global;
-        const bool global_key = next_global != global_end && *next_global == j;
-        if (!global_key &&
-            !(window_allows(query_len, row, j) && pattern.block_allows(h, position, j))) {
-          tile(i, j - col0) = -std::numeric_limits<T>::infinity();
+      block_out(std::max(causal_end, col0), col_end);
+      if (causal_end <= col0 || pattern.any_global(position, position)) continue;
+      const Index begin = std::clamp(visible_begin(query_len, row), col0, causal_end);
+      const Index end = std::clamp(visible_end(query_len, row), begin, causal_end);
+      block_out(col0, begin);
+      block_out(end, causal_end);
+      if (window.dilation > 1) {
+        for (Index j = begin; j < end; ++j) {
+          if (!window_allows(query_len, row, j)) tile_row(j - col0) = kBlocked;
         }
       }
-      for (Index j = std::max(end, col0); j < col_end; ++j) {
-        tile(i, j - col0) = -std::numeric_limits<T>::infinity();
+      if (pattern.blocks != nullptr) {
+        for (Index j = begin; j < end;) {
+          const Index next = std::min(end, (j / pattern.block + 1) * pattern.block);
+          if (!pattern.block_allows(h, position, j)) block_out(j, next);
+          j = next;
+        }
+      }
+      for (const Index* g = first_global_key; g != global_end && *g < causal_end; ++g) {
+        tile_row(*g - col0) = T(0);
       }
     }
   }

@@ -45,10 +45,11 @@ void for_each_key_block(const CoreOptions<T>& options, Index h, Index key_len, I
     const Index end = options.visible_end(query_len, last_row);
     for (Index j0 = begin; j0 < end; j0 += block) visit(j0, std::min(block, end - j0));
   } else {
-    // Runs of the layout's blocks (or of `block` keys) that some of the queries may see, cut
-    // into visits of at most `block` keys.
+    // Runs of the layout's blocks (or of 64 keys, so that a global key brings few others with
+    // it) that some of the queries may see, cut into visits of at most `block` keys.
     const Index end = causal_visible_end(options.causal, options.causal_cols, query_len, last_row);
-    const Index unit = options.pattern.blocks != nullptr ? options.pattern.block : block;
+    const Index unit =
+        options.pattern.blocks != nullptr ? options.pattern.block : std::min<Index>(block, 64);
     Index run_begin = 0, run_end = 0;
     const auto flush = [&] {
       for (Index j0 = run_begin; j0 < run_end; j0 += block) {
