@@ -270,6 +270,29 @@ void global_tokens(benchmark::State& state) {
   set_flops(state, 4.0 * static_cast<double>(H * D) * pairs);
 }
 
+// What talking heads cost: a self-attention layer of E = 512, H = 8 forward, B = 4, L = range(0),
+// on the reference kernel, without (range(1) = 0) or with (1) both [H, H] mixes. The mixes add
+// 2·H FLOPs per score and head against the attention's 4·D (1/16 more here), but the
+// talking-heads kernel runs one task per batch row and keeps its H [L, S] blocks three times
+// (logits, probabilities, mixed weights), so memory traffic and the B-way parallelism decide.
+// GFLOPS counts the plain layer's work in both.
+void talking_heads(benchmark::State& state) {
+  const mha::Index B = 4, L = state.range(0), E = 512, H = 8;
+  mha::MultiHeadAttentionConfig config(E, H);
+  config.talking_heads_pre = config.talking_heads_post = state.range(1) == 1;
+  const mha::MultiHeadAttention<float> layer(config);
+  const auto x = random_tensor({B, L, E}, 1);
+  mha::ForwardOptions<float> options;
+  options.need_weights = false;
+  options.kernel = mha::Kernel::reference;
+  for (auto _ : state) {
+    auto result = layer.forward(x, x, x, options);
+    benchmark::DoNotOptimize(result.output.data());
+  }
+  const double n = static_cast<double>(L), e = static_cast<double>(E);
+  set_flops(state, static_cast<double>(B) * (8 * n * e * e + 4 * n * n * e));
+}
+
 // A self-attention layer (E = 2048, H = 16, D = 128, like a small Llama) decoding one token for
 // each of B = range(0) sequences, with context = range(2) tokens in its KV cache, H_kv =
 // range(1). Each iteration is one decode step followed by a rewind, so the context stays the same;
@@ -437,6 +460,11 @@ BENCHMARK(global_tokens)
     ->Arg(1)
     ->Arg(16)
     ->Arg(64)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(talking_heads)
+    ->Name("talking_heads/reference")
+    ->ArgNames({"L", "mixes"})
+    ->ArgsProduct({{512, 2048}, {0, 1}})
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(decode)
     ->Name("decode")
