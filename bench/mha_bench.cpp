@@ -273,8 +273,8 @@ void global_tokens(benchmark::State& state) {
 // What talking heads cost: a self-attention layer of E = 512, H = 8 forward, B = 4, L = range(0),
 // on the reference kernel, without (range(1) = 0) or with (1) both [H, H] mixes. The mixes add
 // 2·H FLOPs per score and head against the attention's 4·D (1/16 more here), but the
-// talking-heads kernel runs one task per batch row and keeps its H [L, S] blocks three times
-// (logits, probabilities, mixed weights), so memory traffic and the B-way parallelism decide.
+// talking-heads kernel keeps each query block's H [rows, S] tiles three times (logits,
+// probabilities, mixed weights) and re-packs k and v for every block, so memory traffic decides.
 // GFLOPS counts the plain layer's work in both.
 void talking_heads(benchmark::State& state) {
   const mha::Index B = 4, L = state.range(0), E = 512, H = 8;

@@ -263,8 +263,10 @@ void check_finite_differences(MultiHeadAttention<double>& layer, Tensor<double>&
 TEST_CASE("gradients equal central finite differences for every option", "[backward]") {
   using T = double;
   mha::Random random(4242);
+  int talking = 0, patterns = 0;  // how many trials drew these, so that a change of draws shows
   for (int index = 0; index < 80; ++index) {
     const Trial trial = random_trial(random, index);
+    talking += trial.config.talking_heads_pre || trial.config.talking_heads_post ? 1 : 0;
     const auto seed = static_cast<std::uint64_t>(index);
     MultiHeadAttention<T> layer(trial.config);
     randomise(layer, 100 + seed * 10);
@@ -304,9 +306,12 @@ TEST_CASE("gradients equal central finite differences for every option", "[backw
       description += " head_gate";
     }
     INFO(description);
+    patterns += options.pattern.active() ? 1 : 0;
 
     check_finite_differences(layer, query, key, value, options, trial.self_attention, seed);
   }
+  CHECK(talking >= 8);
+  CHECK(patterns >= 12);
 }
 
 // The random trials' heads are at most 3 wide, where both layouts rotate the one pair (0, 1):

@@ -445,8 +445,8 @@ struct KernelScratch {
   Vector<T> row_dot;
   Matrix<T> capped;  // softcap's capped scores, as add_scores leaves them
   // Talking heads (kernels/talking_heads.hpp) mixes across heads, so it keeps all H heads of one
-  // batch row at once: logits, probabilities and mixed weights, each [H * L, S'] (head h's
-  // [L, S'] block at rows h * L).
+  // query block at once: logits, probabilities and mixed weights, each [H * rows, S'] (head h's
+  // [rows, S'] block at rows h * rows).
   Matrix<T> head_logits, head_probs, head_weights;
 };
 
