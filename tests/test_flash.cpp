@@ -170,6 +170,35 @@ void check_case(const Case& c, std::uint64_t seed,
   CHECK_TENSORS_CLOSE(flash_v, ref_v);
 }
 
+// sdpa with `options` (window, pattern, causal) against sdpa with `written`, the mask they
+// describe, as an additive mask, in both kernels, forward and backward.
+template <class T>
+void check_equals_written_mask(const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v,
+                               const Tensor<T>& g, const Tensor<T>& written,
+                               mha::AttentionOptions<T> options) {
+  for (const auto kernel : {mha::Kernel::reference, mha::Kernel::flash}) {
+    mha::AttentionOptions<T> masked;
+    masked.mask = Mask<T>::additive(written);
+    masked.kernel = options.kernel = kernel;
+    const auto expected = mha::scaled_dot_product_attention(q, k, v, masked);
+    const auto actual = mha::scaled_dot_product_attention(q, k, v, options);
+    INFO(mha::kernel_name(kernel));
+    CHECK_TENSORS_CLOSE(actual.output, expected.output);
+    const auto expected_grads =
+        mha::scaled_dot_product_attention_backward<T>(q, k, v, expected, g, masked);
+    const auto actual_grads =
+        mha::scaled_dot_product_attention_backward<T>(q, k, v, actual, g, options);
+    CHECK_GRADIENTS_CLOSE(actual_grads.value, expected_grads.value);
+    // With a window of one key (0/0) every weight is 1 and the query and key gradients vanish
+    // in exact arithmetic; what is left is the rounding of dP - rowsum(dO ∘ O), terms of the
+    // size of the value gradient. So those two are compared at that scale.
+    const double terms = expected_grads.value.flat().cwiseAbs().maxCoeff();
+    const double rtol = mha_test::GradientTolerance<T>::rtol;
+    CHECK_TENSORS_CLOSE_TOL(actual_grads.query, expected_grads.query, rtol, rtol * terms);
+    CHECK_TENSORS_CLOSE_TOL(actual_grads.key, expected_grads.key, rtol, rtol * terms);
+  }
+}
+
 }  // namespace
 
 TEMPLATE_TEST_CASE("flash equals reference for random options and tiny blocks", "[flash]", float,
@@ -348,31 +377,10 @@ TEMPLATE_TEST_CASE("a window equals the additive mask it describes, and skipping
     }
     INFO("window " << setting.left << "/" << setting.right << " causal "
                    << static_cast<int>(setting.causal));
-    for (const auto kernel : {mha::Kernel::reference, mha::Kernel::flash}) {
-      mha::AttentionOptions<T> masked;
-      masked.mask = Mask<T>::additive(written);
-      masked.kernel = kernel;
-      mha::AttentionOptions<T> windowed;
-      windowed.window = {setting.left, setting.right, setting.alignment};
-      windowed.causal = setting.causal;
-      windowed.kernel = kernel;
-      const auto expected = mha::scaled_dot_product_attention(q, k, v, masked);
-      const auto actual = mha::scaled_dot_product_attention(q, k, v, windowed);
-      INFO(mha::kernel_name(kernel));
-      CHECK_TENSORS_CLOSE(actual.output, expected.output);
-      const auto expected_grads =
-          mha::scaled_dot_product_attention_backward<T>(q, k, v, expected, g, masked);
-      const auto actual_grads =
-          mha::scaled_dot_product_attention_backward<T>(q, k, v, actual, g, windowed);
-      CHECK_GRADIENTS_CLOSE(actual_grads.value, expected_grads.value);
-      // With a window of one key (0/0) every weight is 1 and the query and key gradients vanish
-      // in exact arithmetic; what is left is the rounding of dP - rowsum(dO ∘ O), terms of the
-      // size of the value gradient. So those two are compared at that scale.
-      const double terms = expected_grads.value.flat().cwiseAbs().maxCoeff();
-      const double rtol = mha_test::GradientTolerance<T>::rtol;
-      CHECK_TENSORS_CLOSE_TOL(actual_grads.query, expected_grads.query, rtol, rtol * terms);
-      CHECK_TENSORS_CLOSE_TOL(actual_grads.key, expected_grads.key, rtol, rtol * terms);
-    }
+    mha::AttentionOptions<T> windowed;
+    windowed.window = {setting.left, setting.right, setting.alignment};
+    windowed.causal = setting.causal;
+    check_equals_written_mask(q, k, v, g, written, windowed);
   }
 }
 
@@ -444,27 +452,11 @@ TEMPLATE_TEST_CASE("a sparse pattern equals the mask it describes, and skipping 
     }
     INFO("globals " << setting.global_tokens.size() << " block " << setting.block_size << " window "
                     << setting.window.left << "/" << setting.window.right);
-    for (const auto kernel : {mha::Kernel::reference, mha::Kernel::flash}) {
-      mha::AttentionOptions<T> masked;
-      masked.mask = Mask<T>::additive(written);
-      masked.kernel = kernel;
-      mha::AttentionOptions<T> patterned;
-      patterned.pattern = pattern;
-      patterned.window = setting.window;
-      patterned.causal = setting.causal;
-      patterned.kernel = kernel;
-      const auto expected = mha::scaled_dot_product_attention(q, k, v, masked);
-      const auto actual = mha::scaled_dot_product_attention(q, k, v, patterned);
-      INFO(mha::kernel_name(kernel));
-      CHECK_TENSORS_CLOSE(actual.output, expected.output);
-      const auto expected_grads =
-          mha::scaled_dot_product_attention_backward<T>(q, k, v, expected, g, masked);
-      const auto actual_grads =
-          mha::scaled_dot_product_attention_backward<T>(q, k, v, actual, g, patterned);
-      CHECK_GRADIENTS_CLOSE(actual_grads.query, expected_grads.query);
-      CHECK_GRADIENTS_CLOSE(actual_grads.key, expected_grads.key);
-      CHECK_GRADIENTS_CLOSE(actual_grads.value, expected_grads.value);
-    }
+    mha::AttentionOptions<T> patterned;
+    patterned.pattern = pattern;
+    patterned.window = setting.window;
+    patterned.causal = setting.causal;
+    check_equals_written_mask(q, k, v, g, written, patterned);
   }
 }
 
