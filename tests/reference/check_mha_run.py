@@ -429,6 +429,20 @@ def malformed_inputs():
     add("alibi_slopes_wrong_shape", gen.safetensors_bytes(with_tensors(alibi_slopes=np.zeros(3, f32)), meta))
     add("alibi_slopes_dtype_mismatch", gen.safetensors_bytes(
         with_tensors(alibi_slopes=slopes.astype(np.float64)), meta))
+    # sparse patterns (L = 3, S = 4) and talking heads (H = 2)
+    add("global_tokens_decreasing", gen.safetensors_bytes(t, with_meta(global_tokens="2,1")))
+    add("global_tokens_not_integers", gen.safetensors_bytes(t, with_meta(global_tokens="0,x")))
+    add("global_tokens_trailing_comma", gen.safetensors_bytes(t, with_meta(global_tokens="0,")))
+    layout = np.ones((2, 2), np.bool_)
+    add("block_layout_without_block_size", gen.safetensors_bytes(with_tensors(block_layout=layout), meta))
+    add("block_size_without_block_layout", gen.safetensors_bytes(t, with_meta(block_size="2")))
+    add("block_layout_too_small", gen.safetensors_bytes(with_tensors(block_layout=layout), with_meta(block_size="1")))
+    add("block_layout_not_bool", gen.safetensors_bytes(
+        with_tensors(block_layout=np.ones((2, 2), f32)), with_meta(block_size="2")))
+    add("talking_heads_pre_wrong_shape", gen.safetensors_bytes(
+        with_tensors(talking_heads_pre=np.eye(3, dtype=f32)), meta))
+    add("talking_heads_with_flash", gen.safetensors_bytes(
+        with_tensors(talking_heads_post=np.eye(2, dtype=f32)), with_meta(kernel="flash", need_weights="0")))
     add("nonexistent_input_file", None)
     return cases
 
