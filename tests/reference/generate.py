@@ -499,16 +499,12 @@ def position_blocked(spec):
             pattern |= j > c + right
     if spec.dilation is not None:
         pattern |= (c - j) % spec.dilation != 0
-    if spec.layout is not None:
+    if spec.layout is not None:  # [R, C] -> [L, S], or [H, R, C] -> [H, L, S]
         b = spec.block[0]
-        layout = spec.layout if spec.layout.ndim == 3 else spec.layout[None]
-        pattern = pattern[None] | ~layout[:, c[:, 0] // b][:, :, j[0] // b]
+        pattern = pattern | ~spec.layout[..., c[:, 0] // b, :][..., j[0] // b]
     if spec.global_tokens is not None:
         pattern &= ~(np.isin(c, spec.global_tokens) | np.isin(j, spec.global_tokens))
-    blocked = pattern if pattern.ndim == 2 or spec.layout.ndim == 3 else pattern[0]
-    if spec.is_causal:
-        blocked = blocked | (j > c)
-    return blocked
+    return pattern | (j > c) if spec.is_causal else pattern
 
 
 def alibi_bias(spec, slopes):

@@ -292,69 +292,16 @@ struct CoreOptions {
            key_begin < visible_end(query_len, last_row);
   }
 
-  // tile holds scores of queries row0.. and keys col0.. of head h: -inf where causal masking,
-  // the window or the pattern hides a key.
+  // tile, which holds only zeros (masks() calls this first), becomes -inf for queries row0.. and
+  // keys col0.. of head h where causal masking, the window or the pattern hides a key; a row at
+  // a time: ranges outside the window and blocks the layout drops become -inf, then the global
+  // keys that causal masking allows are set back to 0 (global tokens reopen what the window and
+  // the layout close, but not what causal masking closes).
   template <class Tile>
   void apply_visible_range(Index h, Index query_len, Index row0, Index col0, Tile& tile) const {
     if (causal == Causal::none && !window.active() && !pattern.active()) return;
-    const Index col_end = std::min(causal_cols, col0 + tile.cols());
-    if (pattern.active()) {
-      apply_pattern(h, query_len, row0, col0, col_end, tile);
-      return;
-    }
-    for (Index i = 0; i < tile.rows(); ++i) {
-      const Index begin = visible_begin(query_len, row0 + i);
-      const Index end = visible_end(query_len, row0 + i);
-      for (Index j = col0; j < std::min(begin, col_end); ++j) {
-        tile(i, j - col0) = -std::numeric_limits<T>::infinity();
-      }
-      for (Index j = std::max(end, col0); j < col_end; ++j) {
-        tile(i, j - col0) = -std::numeric_limits<T>::infinity();
-      }
-      if (window.dilation > 1) {
-        const Index centre = window_centre(query_len, row0 + i);
-        for (Index j = std::max(begin, col0); j < std::min(end, col_end); ++j) {
-          if ((centre - j) % window.dilation != 0) {
-            tile(i, j - col0) = -std::numeric_limits<T>::infinity();
-          }
-        }
-      }
-    }
-  }
-
-  // tile <- the masks of queries row0.. and keys col0.. of head (b, h): 0, additive values, and
-  // -inf where blocked. tile's columns from causal_cols on are always visible (left 0).
-  template <class Tile>
-  void masks(Index b, Index h, Index query_len, Index row0, Index col0, Tile& tile) const {
-    tile.setZero();
-    // Positions first, while the tile holds only zeros: a pattern's global tokens set keys back
-    // to 0 (see apply_pattern); the masks then add to 0 or leave -inf.
-    apply_visible_range(h, query_len, row0, col0, tile);
-    attn_mask.apply(b, h, row0, col0, tile);
-    key_padding_mask.apply(b, h, row0, col0, tile);
-    if (alibi_slopes != nullptr) add_alibi(h, query_len, row0, col0, tile);
-  }
-
- private:
-  Index window_centre(Index query_len, Index i) const {
-    return window.alignment == Alignment::bottom_right ? i + causal_cols - query_len : i;
-  }
-
-  bool window_allows(Index query_len, Index row, Index key) const {
-    const Index centre = window_centre(query_len, row);
-    return (window.left < 0 || key >= centre - window.left) &&
-           (window.right < 0 || key <= centre + window.right) &&
-           (centre - key) % window.dilation == 0;
-  }
-
-  // apply_visible_range with a pattern, a row at a time on a tile that holds only zeros (masks()
-  // applies it first): ranges outside the window and blocks the layout drops become -inf, then
-  // the global keys that causal masking allows are set back to 0 (global tokens reopen what the
-  // window and the layout close, but not what causal masking closes).
-  template <class Tile>
-  void apply_pattern(Index h, Index query_len, Index row0, Index col0, Index col_end,
-                     Tile& tile) const {
     constexpr T kBlocked = -std::numeric_limits<T>::infinity();
+    const Index col_end = std::min(causal_cols, col0 + tile.cols());
     const Index* global_end = pattern.global + pattern.global_count;
     const Index* first_global_key = std::lower_bound(pattern.global, global_end, col0);
     for (Index i = 0; i < tile.rows(); ++i) {
@@ -373,8 +320,9 @@ struct CoreOptions {
       block_out(col0, begin);
       block_out(end, causal_end);
       if (window.dilation > 1) {
+        const Index centre = window_centre(query_len, row);
         for (Index j = begin; j < end; ++j) {
-          if (!window_allows(query_len, row, j)) tile_row(j - col0) = kBlocked;
+          if ((centre - j) % window.dilation != 0) tile_row(j - col0) = kBlocked;
         }
       }
       if (pattern.blocks != nullptr) {
@@ -388,6 +336,24 @@ struct CoreOptions {
         tile_row(*g - col0) = T(0);
       }
     }
+  }
+
+  // tile <- the masks of queries row0.. and keys col0.. of head (b, h): 0, additive values, and
+  // -inf where blocked. tile's columns from causal_cols on are always visible (left 0).
+  template <class Tile>
+  void masks(Index b, Index h, Index query_len, Index row0, Index col0, Tile& tile) const {
+    tile.setZero();
+    // Positions first, while the tile holds only zeros: a pattern's global tokens set keys back
+    // to 0 (see apply_visible_range); the masks then add to 0 or leave -inf.
+    apply_visible_range(h, query_len, row0, col0, tile);
+    attn_mask.apply(b, h, row0, col0, tile);
+    key_padding_mask.apply(b, h, row0, col0, tile);
+    if (alibi_slopes != nullptr) add_alibi(h, query_len, row0, col0, tile);
+  }
+
+ private:
+  Index window_centre(Index query_len, Index i) const {
+    return window.alignment == Alignment::bottom_right ? i + causal_cols - query_len : i;
   }
 
   template <class Tile>

@@ -30,9 +30,10 @@ namespace detail {
 // v; more backward) stop going to DRAM, which a whole [H * L, S'] batch row did (134 MB per
 // buffer at L = S' = 2048, H = 8), but each block's products re-pack k_h and v_h, [S', D] each,
 // for only rows * S' * D multiply-adds. Sizing the three [H * rows, S'] tiles to one core's 1 MiB
-// L2 gives 5 rows at H = 8, S' = 2048, where the packing dominates: the benchmark layer (B = 4,
-// H = 8, D = 64, float) took 384 ms at L = 2048 with at least 8 rows, 323 ms with 32 or 64, 351
-// ms with 128; at L = 512, 26.1 ms with the L2 size (21 rows), 25.1 with 64, 34.5 with 128. The
+// L2 gives 5 rows at H = 8, S' = 2048, where the packing dominates. Measured with
+// `mha_bench --benchmark_filter=talking_heads` (B = 4, H = 8, D = 64, float, both mixes) and this
+// limit edited by hand: at L = 2048, 384 ms with blocks of at least 8 rows, 323 ms with 32 or 64,
+// 351 ms with 128; at L = 512, 26.1 ms with the L2 size (21 rows), 25.1 with 64, 34.5 with 128. The
 // tiles then live in L2 and L3 (12 MiB per thread at that largest shape). Depends only on the
 // shapes, never on the thread count, so results do not either.
 inline Index talking_heads_block_rows(Index query_len) {
