@@ -6,16 +6,21 @@
 // sequence as a text heatmap with its entropy (mha/diagnostics.hpp), and a verdict measured from
 // the weights: which head looks at the previous position, which at the earlier occurrence.
 //
-//   build/examples/head_specialization [--seed N] [--steps N]
+// The heatmaps are also written as pictures, head_specialization_heads.svg (and .png when built
+// with stb), into the current directory or the one given with --output-dir.
+//
+//   build/examples/head_specialization [--seed N] [--steps N] [--output-dir DIR]
 //
 // Deterministic for a given seed and step count (the timings aside).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <string>
 #include <vector>
 
+#include "pictures.hpp"
 #include "specialization_task.hpp"
 
 namespace {
@@ -179,6 +184,34 @@ void print_heatmaps(const Evaluation& evaluation, const Batch& batch, Index b, I
   }
 }
 
+// The heatmaps of sequence `b` as pictures, all heads, with the text heatmaps' titles and their
+// absolute scale (0..1). Both axes are labelled "position letter".
+void write_pictures(const Evaluation& evaluation, const Batch& batch, Index b,
+                    const std::string& output_dir) {
+  std::vector<std::string> labels, titles;
+  for (Index i = 0; i < kLength; ++i) {
+    labels.push_back(std::to_string(i) + " " +
+                     specialization::letter(batch.token[Batch::at(b, i)]));
+  }
+  for (std::size_t h = 0; h < evaluation.heads.size(); ++h) {
+    char text[64];
+    std::snprintf(text, sizeof text, "head %zu: %s, %.2f nats", h,
+                  job_of(evaluation.heads[h]).c_str(), evaluation.heads[h].entropy);
+    titles.push_back(text);
+  }
+  mha::HeatmapOptions options;
+  options.title =
+      "head specialisation: held-out sequence " + std::to_string(b) + ", causal self-attention";
+  options.batch = b;
+  options.panel_titles = titles;
+  options.columns = 2;
+  options.scale_max = 1;
+  const std::vector<std::string> written = example_pictures::write_heatmaps(
+      output_dir, "head_specialization_heads", evaluation.weights, labels, labels, options);
+  std::printf("\nThe same heatmaps as pictures:\n");
+  for (const std::string& path : written) std::printf("  wrote %s\n", path.c_str());
+}
+
 // The sample's letters, both jobs' answers and the model's outputs, one column per position.
 void print_predictions(const Evaluation& evaluation, const Batch& batch, Index b) {
   std::string letters, answers[2], outputs[2];
@@ -243,9 +276,16 @@ int main(int argc, char** argv) {
   specialization::ModelConfig config;
   config.heads = 4;
   Index steps = kDefaultSteps;
+  std::string output_dir;
+  const bool has_dir = example_pictures::take_output_dir(argc, argv, output_dir);
   const int exit_code =
-      specialization::parse_arguments(argc, argv, "training steps", config.seed, steps);
-  if (exit_code >= 0) return exit_code;
+      has_dir ? specialization::parse_arguments(argc, argv, "training steps", config.seed, steps)
+              : 2;
+  if (exit_code >= 0) {
+    if (!has_dir) std::fprintf(stderr, "%s: --output-dir needs a directory\n", argv[0]);
+    std::fprintf(exit_code == 0 ? stdout : stderr, "%s", example_pictures::kUsage);
+    return exit_code;
+  }
 
   const int threads = specialization::choose_threads();
   print_intro(config, steps, threads);
@@ -275,6 +315,12 @@ int main(int argc, char** argv) {
   const Index heads = config.heads;
   for (Index h = 0; h < heads; h += 2) {
     print_heatmaps(evaluation, held_out, 0, h, h + 1 < heads ? h + 1 : -1);
+  }
+  try {
+    write_pictures(evaluation, held_out, 0, output_dir);
+  } catch (const std::exception& error) {  // a picture that cannot be written
+    std::fprintf(stderr, "head_specialization: %s\n", error.what());
+    return 1;
   }
   print_predictions(evaluation, held_out, 0);
   print_verdict(evaluation);

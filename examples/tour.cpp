@@ -6,19 +6,26 @@
 // initialisation. Nothing here is trained. Part 2 is the "dimension ledger": what splitting
 // d = 768 into h heads costs, with parameters counted on real layers.
 //
-// Build and run (no arguments, plain stdout):
+// Part 1 also writes the heatmaps as pictures, tour_heads.svg (and tour_heads.png when built
+// with stb), into the current directory or the one given with --output-dir.
+//
+// Build and run (plain stdout):
 //   g++ -std=c++17 -O2 -I include -isystem /usr/include/eigen3 examples/tour.cpp -o tour
-//   ./tour
+//   ./tour [--output-dir DIR]
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <exception>
 #include <iomanip>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include <mha/mha.hpp>
+
+#include "pictures.hpp"
 
 namespace {
 
@@ -386,7 +393,21 @@ Layer make_tour_layer() {
   return layer;
 }
 
-void part_one() {
+// Part 1's weights as pictures: one panel per head, the tokens on both axes, the scale 0..1 of
+// the text heatmaps' shades.
+void write_pictures(const mha::Tensor<float>& weights, const std::string& output_dir) {
+  const std::vector<std::string> tokens(kTokens.begin(), kTokens.end());
+  mha::HeatmapOptions options;
+  options.title = "mha tour: 8 heads of self-attention, weights [B, H, L, S] = [1, 8, 11, 11]";
+  options.panel_titles.assign(kHeadTitles.begin(), kHeadTitles.end());
+  options.scale_max = 1;
+  const std::vector<std::string> written =
+      example_pictures::write_heatmaps(output_dir, "tour_heads", weights, tokens, tokens, options);
+  std::printf("\nThe same eight heatmaps as pictures (rows: queries, columns: keys):\n");
+  for (const std::string& path : written) std::printf("  wrote %s\n", path.c_str());
+}
+
+void part_one(const std::string& output_dir) {
   print_part_one_intro();
   const Layer layer = make_tour_layer();
   const mha::Tensor<float> x = embed_sentence();
@@ -410,6 +431,7 @@ void part_one() {
   print_heatmap_pair(weights, 6, 7);
   check_random_heads(weights);
   check_row_sums(weights);
+  write_pictures(weights, output_dir);
 }
 
 // ---- part 2: the dimension ledger -------------------------------------------------------------
@@ -490,7 +512,15 @@ void part_two() {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  std::string output_dir;
+  if (!example_pictures::take_output_dir(argc, argv, output_dir) || argc > 1) {
+    const bool help =
+        argc == 2 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h");
+    std::fprintf(help ? stdout : stderr, "usage: %s [--output-dir DIR]\n%s", argv[0],
+                 example_pictures::kUsage);
+    return help ? 0 : 2;
+  }
   std::printf(
       "A tour of multi-head attention with mha (torch.nn.MultiheadAttention, on Eigen)\n"
       "\n"
@@ -499,7 +529,12 @@ int main() {
       "  L  query length         H  number of heads (num_heads)\n"
       "  S  key/value length     D  head width, D = E / H\n"
       "\n");
-  part_one();
+  try {
+    part_one(output_dir);
+  } catch (const std::exception& error) {  // a picture that cannot be written
+    std::fprintf(stderr, "tour: %s\n", error.what());
+    return 1;
+  }
   part_two();
   return 0;
 }

@@ -68,6 +68,40 @@ void attention(Kernel kernel, Index batch, Index heads, const HeadLayout<const T
   }
 }
 
+// The same with keys and values stored in a 16-bit type (Stored, a half or bfloat16 KV cache):
+// the flash kernel converts each key block as it visits it; the reference and talking-heads
+// kernels, which read every key of a head several times, read a converted copy.
+template <class T, class Stored, class = std::enable_if_t<!std::is_same_v<T, Stored>>>
+void attention(Kernel kernel, Index batch, Index heads, const HeadLayout<const T>& q,
+               const HeadLayout<const Stored>& k, const HeadLayout<const Stored>& v,
+               const HeadLayout<T>& out, const CoreOptions<T>& options, T* weights,
+               std::vector<KernelScratch<T>>& scratch, T* logsumexp = nullptr) {
+  if (kernel == Kernel::flash && !options.talking_heads.active()) {
+    attention_flash<T, Stored>(batch, heads, q, k, v, out, options, scratch, logsumexp);
+    return;
+  }
+  // Each batch's span, from its first stored element to its last, keeps its strides in the copy.
+  const auto converted = [batch, heads](const HeadLayout<const Stored>& stored, Matrix<T>& copy) {
+    const Index stored_heads = heads / stored.group;
+    const Index extent = stored.rows == 0 ? 0
+                                          : (stored_heads - 1) * stored.head_stride +
+                                                (stored.rows - 1) * stored.row_stride + stored.cols;
+    copy.resize(batch, extent);
+    for (Index b = 0; b < batch && extent > 0; ++b) {
+      copy.row(b) =
+          Eigen::Map<const RowVector<Stored>>(stored.data + b * stored.batch_stride, extent)
+              .template cast<T>();
+    }
+    HeadLayout<const T> layout{copy.data(),       extent,      stored.head_stride,
+                               stored.row_stride, stored.rows, stored.cols};
+    layout.group = stored.group;
+    return layout;
+  };
+  Matrix<T> keys, values;
+  attention<T>(kernel, batch, heads, q, converted(k, keys), converted(v, values), out, options,
+               weights, scratch, logsumexp);
+}
+
 // The backward of the kernel that ran forward; the flash one needs its logsumexp. With talking
 // heads, grad_pre and grad_post (null, or [H, H]) receive the mixes' gradients.
 template <class T>

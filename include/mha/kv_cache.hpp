@@ -7,6 +7,10 @@
 // H_kv·D] for keys and for values, and a step that would overflow it is refused before anything
 // changes.
 //
+// The cache stores T: a MultiHeadAttention<Eigen::half> or <Eigen::bfloat16> keeps its keys and
+// values in 16 bits, half the memory and bandwidth of float, and converts each block to float
+// as the flash kernel reads it.
+//
 // A sliding-window cache (window = w >= 0) keeps only the last w keys of each sequence: enough for
 // attention whose window looks back w keys (ForwardOptions::window.left <= w), as Mistral decodes.
 // A step of n tokens needs w + n rows; capacity 2w makes the rare compaction (moving the kept rows
@@ -154,10 +158,13 @@ class KVCache {
   Index num_kv_heads_ = 0, head_dim_ = 0, window_ = -1;
   Tensor<T> keys_, values_;  // [B, capacity, H_kv·D]
   std::vector<Index> start_, length_, position_;
-  // The step's buffers, reused while shapes repeat: a cache belongs to one decoding thread.
-  Matrix<T> queries_, new_keys_, new_values_, attended_;
-  detail::RopeTable<T> rope_table_;
-  std::vector<detail::KernelScratch<T>> kernel_;
+  // The step's buffers, reused while shapes repeat: a cache belongs to one decoding thread. They
+  // are in the layer's compute type (float for a 16-bit cache, whose keys_ and values_ alone
+  // are 16-bit); input_ and output_ hold a 16-bit layer's step in float.
+  using Compute = detail::compute_t<T>;
+  Matrix<Compute> queries_, new_keys_, new_values_, attended_, input_, output_;
+  detail::RopeTable<Compute> rope_table_;
+  std::vector<detail::KernelScratch<Compute>> kernel_;
 };
 
 }  // namespace mha

@@ -1,6 +1,7 @@
 // mha: multi-head attention with the semantics of torch.nn.MultiheadAttention, header-only,
 // on Eigen. This umbrella header brings in the core; file I/O (which needs nlohmann/json) is
-// separate: #include <mha/io/safetensors.hpp>.
+// separate: #include <mha/io/safetensors.hpp> (and <mha/io/checkpoints.hpp>, mha::io), as are
+// PNG heatmaps: #include <mha/io/heatmap_png.hpp> (stb, mha::png).
 //
 // The dimension letters (B, L, S, E, H, D) are defined in mha/tensor.hpp.
 #pragma once
@@ -9,6 +10,7 @@
 #include "mha/diagnostics.hpp"
 #include "mha/errors.hpp"
 #include "mha/heads.hpp"
+#include "mha/heatmap.hpp"
 #include "mha/init.hpp"
 #include "mha/kv_cache.hpp"
 #include "mha/mask.hpp"

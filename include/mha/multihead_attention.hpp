@@ -1,4 +1,13 @@
-// MultiHeadAttention<T>: torch.nn.MultiheadAttention (batch_first=True) for T = float, double.
+// MultiHeadAttention<T>: torch.nn.MultiheadAttention (batch_first=True) for T = float, double,
+// Eigen::half and Eigen::bfloat16.
+//
+// The 16-bit layers store their parameters, take and return tensors, and keep their KV cache in
+// 16 bits, and compute in float: projections multiply float copies of 128-row weight panels,
+// the kernels see float queries, keys and values (a 16-bit cache is converted block by block as
+// the flash kernel reads it), and the scores, softmax and sums are float, as the tutorial's
+// §4.3 advises. Each result is rounded to 16 bits once. They serve inference (forward and
+// decode); training runs in float or double (forward_train does not compile for them), and
+// talking heads are refused.
 //
 // Parameters are stored under their PyTorch state_dict names and shapes, so a layer exported
 // from PyTorch loads without renaming or transposing:
@@ -110,13 +119,16 @@ struct MultiHeadAttentionConfig {
       : embed_dim(embed_dim_), num_heads(num_heads_) {}
 };
 
+// Masks, slopes, the cap and gates are in the type the layer computes in: float for a 16-bit
+// layer (ForwardOptions<Eigen::half> holds Mask<float>), T otherwise.
 template <class T>
 struct ForwardOptions {
+  using Compute = detail::compute_t<T>;
   // [B, S] ([S] unbatched). PyTorch MHA passes booleans with true = ignore this key:
   // Mask<T>::blocked_where_true. A float one is added to the scores (PyTorch 2.x).
-  Mask<T> key_padding_mask;
+  Mask<Compute> key_padding_mask;
   // [L, S] for every batch and head, or [B*H, L, S] indexed by b*H + h ([H, L, S] unbatched).
-  Mask<T> attn_mask;
+  Mask<Compute> attn_mask;
   bool need_weights = true;
   // Weights averaged over heads [B, L, S'] when true, per head [B, H, L, S'] when false.
   bool average_attn_weights = true;
@@ -133,10 +145,10 @@ struct ForwardOptions {
   // ALiBi (BLOOM, MPT): empty, or one slope per head (alibi_slopes<T>(H) gives the paper's);
   // adds -slope_h * |c - j| to head h's scores of the input keys, c = i or i + S - L
   // (causal_alignment). bias_k and the zero key get no position bias.
-  std::vector<T> alibi_slopes;
+  std::vector<Compute> alibi_slopes;
   // Logit soft-capping (Gemma 2): each head's scores become c tanh(q kᵀ / sqrt(D) / c) before
   // masks and biases; 0 = none.
-  T softcap = T(0);
+  Compute softcap = Compute(0);
   // Rotary embeddings (see rotary.hpp) of the projected queries and keys, after the biases: input
   // key j is at position j, query i at c (i, or i + S - L bottom-right, as for ALiBi), both plus
   // rope->position_offset. bias_k and the zero key are not rotated.
@@ -145,7 +157,7 @@ struct ForwardOptions {
   // multiplies head h's weights and so its output (0 removes the head, fractions scale it). The
   // returned weights are the gated ones, averaged over all H heads. backward also returns the
   // gates' gradient, from which head importance is computed (diagnostics.hpp).
-  std::vector<T> head_gate;
+  std::vector<Compute> head_gate;
   // Which kernel computes the heads; automatic picks flash unless weights are requested.
   Kernel kernel = Kernel::automatic;
 };
@@ -161,12 +173,16 @@ struct ForwardResult {
 // belongs to one calling thread at a time; the layer itself may be shared.
 template <class T>
 struct Workspace {
-  Matrix<T> qkv, q, k, v;  // projections: fused [B*L, 3E], or q [B*L, E], k and v [B*S', E]
-  Matrix<T> attended;      // the heads' outputs side by side, [B*L, E]
-  Matrix<T> gated;         // attended with head_gate applied (only with a gate)
-  Tensor<T> per_head_weights;
-  detail::RopeTable<T> rope_queries, rope_keys;
-  std::vector<detail::KernelScratch<T>> kernel;  // one per thread
+  using Compute = detail::compute_t<T>;
+  Matrix<Compute> qkv, q, k, v;  // projections: fused [B*L, 3E], or q [B*L, E], k and v [B*S', E]
+  Matrix<Compute> attended;      // the heads' outputs side by side, [B*L, E]
+  Matrix<Compute> gated;         // attended with head_gate applied (only with a gate)
+  Tensor<Compute> per_head_weights;
+  // 16-bit layers only: the inputs, the output and the averaged weights in float.
+  Matrix<Compute> query, key, value, output;
+  Tensor<Compute> weights;
+  detail::RopeTable<Compute> rope_queries, rope_keys;
+  std::vector<detail::KernelScratch<Compute>> kernel;  // one per thread
 };
 
 template <class T>
@@ -203,8 +219,16 @@ struct InputGradients {
 
 template <class T>
 class MultiHeadAttention {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double> ||
+                    std::is_same_v<T, Eigen::half> || std::is_same_v<T, Eigen::bfloat16>,
+                "MultiHeadAttention<T> is for float, double, Eigen::half and Eigen::bfloat16");
+
  public:
+  // Parameters, inputs, outputs and the KV cache are stored as T; products, scores, the softmax
+  // and every sum run in Compute: float for the 16-bit types, T otherwise.
   using Scalar = T;
+  using Compute = detail::compute_t<T>;
+  static constexpr bool kTrainable = !detail::is_16bit_v<T>;
 
   MultiHeadAttention(Index embed_dim, Index num_heads)
       : MultiHeadAttention(MultiHeadAttentionConfig(embed_dim, num_heads)) {}
@@ -262,6 +286,10 @@ class MultiHeadAttention {
       params_.bias_v = Tensor<T>({1, 1, kv_width});
     }
     const Index heads = config_.num_heads;
+    if (detail::is_16bit_v<T> && (config_.talking_heads_pre || config_.talking_heads_post)) {
+      detail::throw_argument("talking_heads_pre/talking_heads_post",
+                             "are not available in a 16-bit layer: use MultiHeadAttention<float>");
+    }
     if (config_.talking_heads_pre) params_.talking_heads_pre = Tensor<T>({heads, heads});
     if (config_.talking_heads_post) params_.talking_heads_post = Tensor<T>({heads, heads});
     reset_parameters(config_.seed);
@@ -434,7 +462,7 @@ class MultiHeadAttention {
                const ForwardOptions<T>& options, Workspace<T>& workspace,
                ForwardResult<T>& result) const {
     const Plan plan = plan_forward(query, key, value, options);
-    const detail::CoreOptions<T> core = core_options(plan, options);
+    const detail::CoreOptions<Compute> core = core_options(plan, options);
     run_forward(plan, core, query, key, value, options, workspace, result, nullptr);
   }
 
@@ -460,6 +488,9 @@ class MultiHeadAttention {
   ForwardResult<T> forward_train(TensorView<const T> query, TensorView<const T> key,
                                  TensorView<const T> value, const ForwardOptions<T>& options,
                                  SavedForward<T>& saved) {
+    static_assert(kTrainable,
+                  "training runs in float or double: train a MultiHeadAttention<float> "
+                  "and load its state_dict into the 16-bit layer");
     saved.layer_ = nullptr;  // unusable until this call succeeds
     const Plan plan = plan_forward(query, key, value, options);
     saved.options_ = options;  // the masks too: core's layouts point into this copy
@@ -503,6 +534,7 @@ class MultiHeadAttention {
   // one tensor; the shared tensor's gradient is their sum), and added into gradient(name) for
   // every parameter.
   InputGradients<T> backward(SavedForward<T>& saved, TensorView<const T> grad_output) {
+    static_assert(kTrainable, "training runs in float or double");
     if (saved.layer_ != this) {
       detail::throw_argument("saved", saved.layer_ == nullptr
                                           ? "holds no successful forward_train"
@@ -648,6 +680,7 @@ class MultiHeadAttention {
   // Each parameter with its gradient, under PyTorch's names and order: what optimisers, gradient
   // clipping and diagnostics take. The views stay valid as long as the layer.
   ParameterList<T> parameters() {
+    static_assert(kTrainable, "training runs in float or double");
     ensure_gradients();
     ParameterList<T> list;
     const auto values = named_tensors(params_);
@@ -774,15 +807,15 @@ class MultiHeadAttention {
   ForwardResult<T> decode(TensorView<const T> x, KVCache<T>& cache,
                           const ForwardOptions<T>& options = decode_options(),
                           const std::vector<Index>& new_tokens = {}) const {
-    const Index embed = config_.embed_dim, heads = config_.num_heads, width = kv_dim();
+    const Index heads = config_.num_heads, width = kv_dim();
     const Index inner = inner_dim();
     const Index batch = cache.batch();
     const Index steps = check_decode(x, cache, options, new_tokens);
     const Kernel kernel = resolve_kernel(options.kernel, false);
     const Index rotary_dim =
         options.rope ? detail::checked_rotary_dim(*options.rope, head_dim()) : 0;
-    detail::CoreOptions<T> core;
-    core.scale = T(1) / std::sqrt(static_cast<T>(head_dim()));
+    detail::CoreOptions<Compute> core;
+    core.scale = Compute(1) / std::sqrt(static_cast<Compute>(head_dim()));
     core.causal = options.is_causal ? Causal::bottom_right : Causal::none;
     core.window = options.window;
     core.window.alignment = Alignment::bottom_right;
@@ -792,24 +825,23 @@ class MultiHeadAttention {
     core.talking_heads = talking_heads();
 
     // Every sequence's n rows projected at once; padding rows too (cheaper than gathering).
-    const Index rows = batch * steps;
-    const auto input = Eigen::Map<const Matrix<T>>(x.data(), rows, embed);
-    Matrix<T>* projected[] = {&cache.queries_, &cache.new_keys_, &cache.new_values_};
+    const auto input = as_compute(x, cache.input_);  // [B*n, E]
+    Matrix<Compute>* projected[] = {&cache.queries_, &cache.new_keys_, &cache.new_values_};
     for (int which = 0; which < 3; ++which) {
-      projected[which]->resize(rows, projection_width(which));
-      detail::threaded_product(*projected[which], input, weight_rows(which).transpose(),
-                               detail::Accumulate::no);
+      projected[which]->resize(input.rows(), projection_width(which));
+      detail::product_transposed(*projected[which], input, weight_rows(which),
+                                 detail::Accumulate::no, cache.kernel_);
       add_bias(*projected[which], which);
     }
-    cache.attended_.resize(rows, inner);
+    cache.attended_.resize(input.rows(), inner);
     cache.attended_.setZero();
 
     for (Index b = 0; b < batch; ++b) {
       const Index count = new_tokens.empty() ? steps : new_tokens[static_cast<std::size_t>(b)];
       if (count == 0) continue;
-      T* queries = cache.queries_.data() + b * steps * inner;
-      T* keys = cache.new_keys_.data() + b * steps * width;
-      T* values = cache.new_values_.data() + b * steps * width;
+      Compute* queries = cache.queries_.data() + b * steps * inner;
+      Compute* keys = cache.new_keys_.data() + b * steps * width;
+      Compute* values = cache.new_values_.data() + b * steps * width;
       if (options.rope) {
         cache.rope_table_.fill(*options.rope, rotary_dim, cache.position(b), count);
         detail::rotate_heads(queries, count, inner, heads, head_dim(), cache.rope_table_, false);
@@ -817,28 +849,28 @@ class MultiHeadAttention {
                              false);
       }
       const Index first = cache.reserve(b, count);
-      std::copy(keys, keys + count * width, cache.key_row(b, first));
-      std::copy(values, values + count * width, cache.value_row(b, first));
+      const auto store = [](Compute element) { return static_cast<T>(element); };
+      std::transform(keys, keys + count * width, cache.key_row(b, first), store);
+      std::transform(values, values + count * width, cache.value_row(b, first), store);
       const Index start = cache.start_[static_cast<std::size_t>(b)];
       const Index total_keys = first + count - start;
       core.causal_cols = total_keys;
       core.pattern = detail::checked_pattern(options.pattern, heads, count, total_keys,
                                              Alignment::bottom_right);
-      detail::attention<T>(kernel, 1, heads, head_layout<const T>(queries, count, inner),
-                           kv_head_layout<const T>(cache.key_row(b, start), total_keys, width),
-                           kv_head_layout<const T>(cache.value_row(b, start), total_keys, width),
-                           head_layout(cache.attended_.data() + b * steps * inner, count, inner),
-                           core, nullptr, cache.kernel_);
+      detail::attention<Compute>(
+          kernel, 1, heads, head_layout<const Compute>(queries, count, inner),
+          kv_head_layout<const T>(cache.key_row(b, start), total_keys, width),
+          kv_head_layout<const T>(cache.value_row(b, start), total_keys, width),
+          head_layout(cache.attended_.data() + b * steps * inner, count, inner), core, nullptr,
+          cache.kernel_);
       cache.advance(b, count);
     }
 
     scale_heads(cache.attended_, options.head_gate);
     ForwardResult<T> result;
     result.output.resize(x.shape());
+    project_output(cache.attended_, result.output, cache.output_, cache.kernel_);
     auto output = result.output.matrix();
-    detail::threaded_product(output, cache.attended_, params_.out_proj_weight.matrix().transpose(),
-                             detail::Accumulate::no);
-    if (config_.bias) output.rowwise() += params_.out_proj_bias.flat().transpose();
     for (Index b = 0; b < batch && !new_tokens.empty(); ++b) {
       const Index count = new_tokens[static_cast<std::size_t>(b)];
       output.middleRows(b * steps + count, steps - count).setZero();
@@ -849,7 +881,7 @@ class MultiHeadAttention {
  private:
   using ParameterSet = detail::ParameterSet<T>;
 
-  void check_head_gate(const std::vector<T>& gate) const {
+  void check_head_gate(const std::vector<Compute>& gate) const {
     if (gate.empty()) return;
     if (static_cast<Index>(gate.size()) != config_.num_heads) {
       detail::throw_argument("head_gate", "expected one gate per head (" +
@@ -865,7 +897,8 @@ class MultiHeadAttention {
 
   // The heads' outputs the output projection reads: workspace.attended, or with a gate its gated
   // copy (attended itself stays ungated: backward needs it for the gates' gradient).
-  const Matrix<T>& gate_heads(const std::vector<T>& gate, Workspace<T>& workspace) const {
+  const Matrix<Compute>& gate_heads(const std::vector<Compute>& gate,
+                                    Workspace<T>& workspace) const {
     if (gate.empty()) return workspace.attended;
     workspace.gated = workspace.attended;
     scale_heads(workspace.gated, gate);
@@ -873,7 +906,7 @@ class MultiHeadAttention {
   }
 
   // Head h's columns of the heads' outputs [rows, H·D] times gate[h] (nothing for no gate).
-  void scale_heads(Matrix<T>& heads_output, const std::vector<T>& gate) const {
+  void scale_heads(Matrix<Compute>& heads_output, const std::vector<Compute>& gate) const {
     for (std::size_t h = 0; h < gate.size(); ++h) {
       heads_output.middleCols(static_cast<Index>(h) * head_dim(), head_dim()) *= gate[h];
     }
@@ -997,9 +1030,10 @@ class MultiHeadAttention {
 
   // The kernel options of a call, pointing into options' masks (which must outlive them). Checks
   // the masks' shapes.
-  detail::CoreOptions<T> core_options(const Plan& plan, const ForwardOptions<T>& options) const {
-    detail::CoreOptions<T> core;
-    core.scale = T(1) / std::sqrt(static_cast<T>(head_dim()));
+  detail::CoreOptions<Compute> core_options(const Plan& plan,
+                                            const ForwardOptions<T>& options) const {
+    detail::CoreOptions<Compute> core;
+    core.scale = Compute(1) / std::sqrt(static_cast<Compute>(head_dim()));
     core.attn_mask =
         attn_mask_layout(options.attn_mask, plan.batched, plan.batch, plan.query_len, plan.key_len);
     core.key_padding_mask =
@@ -1018,9 +1052,13 @@ class MultiHeadAttention {
     return core;
   }
 
-  detail::TalkingHeads<T> talking_heads() const {
-    return {config_.talking_heads_pre ? params_.talking_heads_pre.data() : nullptr,
-            config_.talking_heads_post ? params_.talking_heads_post.data() : nullptr};
+  detail::TalkingHeads<Compute> talking_heads() const {
+    if constexpr (detail::is_16bit_v<T>) {
+      return {};  // refused by the constructor
+    } else {
+      return {config_.talking_heads_pre ? params_.talking_heads_pre.data() : nullptr,
+              config_.talking_heads_post ? params_.talking_heads_post.data() : nullptr};
+    }
   }
 
   // The kernel a call runs: talking heads mix heads, which only the reference kernel can.
@@ -1053,24 +1091,27 @@ class MultiHeadAttention {
   Index projection_width(int which) const { return which == 0 ? inner_dim() : kv_dim(); }
 
   // The forward pass proper; logsumexp is null or (B, H, L) for the flash kernel's backward.
-  void run_forward(const Plan& plan, const detail::CoreOptions<T>& core,
+  void run_forward(const Plan& plan, const detail::CoreOptions<Compute>& core,
                    const TensorView<const T>& query, const TensorView<const T>& key,
                    const TensorView<const T>& value, const ForwardOptions<T>& options,
-                   Workspace<T>& workspace, ForwardResult<T>& result, T* logsumexp) const {
+                   Workspace<T>& workspace, ForwardResult<T>& result, Compute* logsumexp) const {
     const Index heads = config_.num_heads;
     const Index batch = plan.batch, query_len = plan.query_len, total_keys = plan.total_keys;
-    T* q_data;
-    T* k_data;
-    T* v_data;
+    Compute* q_data;
+    Compute* k_data;
+    Compute* v_data;
     const Index inner = inner_dim();
     Index q_stride = inner, kv_stride = kv_dim();
     if (plan.fused) {
       // [B*L, 3E]: heads read q, k and v at column offsets 0, E and 2E.
-      Matrix<T>& qkv = workspace.qkv;
+      Matrix<Compute>& qkv = workspace.qkv;
       qkv.resize(batch * query_len, inner + 2 * kv_dim());
-      detail::threaded_product(qkv, query.matrix(), params_.in_proj_weight.matrix().transpose(),
-                               detail::Accumulate::no);
-      if (config_.bias) qkv.rowwise() += params_.in_proj_bias.flat().transpose();
+      detail::product_transposed(qkv, as_compute(query, workspace.query),
+                                 params_.in_proj_weight.matrix(), detail::Accumulate::no,
+                                 workspace.kernel);
+      if (config_.bias) {
+        qkv.rowwise() += params_.in_proj_bias.flat().transpose().template cast<Compute>();
+      }
       q_data = qkv.data();
       k_data = q_data + bias_offset(1);
       v_data = q_data + bias_offset(2);
@@ -1078,11 +1119,13 @@ class MultiHeadAttention {
     } else {
       // q [B*L, E]; k, v [B*S', E] with the extra rows after each batch's S projected rows.
       workspace.q.resize(batch * query_len, inner);
-      detail::threaded_product(workspace.q, query.matrix(), weight_rows(0).transpose(),
-                               detail::Accumulate::no);
+      detail::product_transposed(workspace.q, as_compute(query, workspace.query), weight_rows(0),
+                                 detail::Accumulate::no, workspace.kernel);
       add_bias(workspace.q, 0);
-      project_keys(key, 1, batch, plan.key_len, total_keys, params_.bias_k, workspace.k);
-      project_keys(value, 2, batch, plan.key_len, total_keys, params_.bias_v, workspace.v);
+      project_keys(as_compute(key, workspace.key), 1, batch, plan.key_len, total_keys,
+                   params_.bias_k, workspace.k, workspace);
+      project_keys(as_compute(value, workspace.value), 2, batch, plan.key_len, total_keys,
+                   params_.bias_v, workspace.v, workspace);
       q_data = workspace.q.data();
       k_data = workspace.k.data();
       v_data = workspace.v.data();
@@ -1092,25 +1135,21 @@ class MultiHeadAttention {
       rotate_queries_and_keys(plan, options, workspace, q_data, q_stride, k_data, kv_stride, false);
     }
 
-    // Per-head weights go straight into the result unless they are to be averaged.
-    Tensor<T>& per_head_weights = options.need_weights && !options.average_attn_weights
-                                      ? result.attn_weights
-                                      : workspace.per_head_weights;
+    // Per-head weights go straight into the result unless they are to be averaged (or converted
+    // to 16 bits).
+    Tensor<Compute>& per_head_weights = weights_buffer(options, workspace, result);
     if (options.need_weights) per_head_weights.resize({batch, heads, query_len, total_keys});
     workspace.attended.resize(batch * query_len, inner);
-    detail::attention<T>(
-        plan.kernel, batch, heads, head_layout<const T>(q_data, query_len, q_stride),
-        kv_head_layout<const T>(k_data, total_keys, kv_stride),
-        kv_head_layout<const T>(v_data, total_keys, kv_stride),
+    detail::attention<Compute>(
+        plan.kernel, batch, heads, head_layout<const Compute>(q_data, query_len, q_stride),
+        kv_head_layout<const Compute>(k_data, total_keys, kv_stride),
+        kv_head_layout<const Compute>(v_data, total_keys, kv_stride),
         head_layout(workspace.attended.data(), query_len, inner), core,
         options.need_weights ? per_head_weights.data() : nullptr, workspace.kernel, logsumexp);
 
-    const Matrix<T>& heads_output = gate_heads(options.head_gate, workspace);
     result.output.resize(plan.query_shape);
-    auto output = result.output.matrix();
-    detail::threaded_product(output, heads_output, params_.out_proj_weight.matrix().transpose(),
-                             detail::Accumulate::no);
-    if (config_.bias) output.rowwise() += params_.out_proj_bias.flat().transpose();
+    project_output(gate_heads(options.head_gate, workspace), result.output, workspace.output,
+                   workspace.kernel);
 
     if (!options.need_weights) {
       result.attn_weights = Tensor<T>();
@@ -1121,7 +1160,15 @@ class MultiHeadAttention {
         per_head_weights[b][h].matrix() *= options.head_gate[static_cast<std::size_t>(h)];
       }
     }
-    if (options.average_attn_weights) {
+    if constexpr (detail::is_16bit_v<T>) {
+      const Tensor<Compute>* weights = &per_head_weights;
+      if (options.average_attn_weights) {
+        average_over_heads(per_head_weights, workspace.weights);
+        weights = &workspace.weights;
+      }
+      result.attn_weights.resize(weights->shape());
+      result.attn_weights.flat() = weights->flat().template cast<T>();
+    } else if (options.average_attn_weights) {
       average_over_heads(per_head_weights, result.attn_weights);
     }
     if (!plan.batched) {
@@ -1131,12 +1178,57 @@ class MultiHeadAttention {
     }
   }
 
+  // Where the kernel writes per-head weights: the result itself when they are returned as they
+  // are, else the workspace (to be averaged, or converted to 16 bits).
+  static Tensor<Compute>& weights_buffer(const ForwardOptions<T>& options, Workspace<T>& workspace,
+                                         ForwardResult<T>& result) {
+    if constexpr (detail::is_16bit_v<T>) {
+      return workspace.per_head_weights;
+    } else {
+      return options.need_weights && !options.average_attn_weights ? result.attn_weights
+                                                                   : workspace.per_head_weights;
+    }
+  }
+
+  // An input [.., width] as [rows, width] in Compute: the tensor itself, or (16-bit layers) its
+  // conversion into `buffer`.
+  static Eigen::Map<const Matrix<Compute>> as_compute(const TensorView<const T>& input,
+                                                      Matrix<Compute>& buffer) {
+    if constexpr (detail::is_16bit_v<T>) {
+      buffer = input.matrix().template cast<Compute>();
+      return {buffer.data(), buffer.rows(), buffer.cols()};
+    } else {
+      return input.matrix();
+    }
+  }
+
+  // output (shape [.., E]) = heads_output [rows, H·D] W_oᵀ + b_o; a 16-bit layer computes it in
+  // `buffer` and rounds it once into output.
+  void project_output(const Matrix<Compute>& heads_output, Tensor<T>& output,
+                      Matrix<Compute>& buffer,
+                      std::vector<detail::KernelScratch<Compute>>& scratch) const {
+    const auto project = [&](auto&& rows) {
+      detail::product_transposed(rows, heads_output, params_.out_proj_weight.matrix(),
+                                 detail::Accumulate::no, scratch);
+      if (config_.bias) {
+        rows.rowwise() += params_.out_proj_bias.flat().transpose().template cast<Compute>();
+      }
+    };
+    if constexpr (detail::is_16bit_v<T>) {
+      buffer.resize(heads_output.rows(), config_.embed_dim);
+      project(buffer);
+      output.matrix() = buffer.template cast<T>();
+    } else {
+      project(output.matrix());
+    }
+  }
+
   // Applies options.rope, in place, to the projected queries (rows of `q`, query_len per batch) and
   // the input keys' rows of `k` (the first key_len of each batch's S'); inverse turns gradients
   // with respect to the rotated rows into gradients with respect to the unrotated ones.
   void rotate_queries_and_keys(const Plan& plan, const ForwardOptions<T>& options,
-                               Workspace<T>& workspace, T* q, Index q_stride, T* k, Index kv_stride,
-                               bool inverse) const {
+                               Workspace<T>& workspace, Compute* q, Index q_stride, Compute* k,
+                               Index kv_stride, bool inverse) const {
     const Rope& rope = *options.rope;
     const Index rotary_dim = detail::checked_rotary_dim(rope, head_dim());
     const Index query_shift =
@@ -1266,37 +1358,42 @@ class MultiHeadAttention {
   void add_bias(Rows& rows, int which) const {
     if (!config_.bias) return;
     rows.rowwise() += Eigen::Map<const RowVector<T>>(
-        params_.in_proj_bias.data() + bias_offset(which), projection_width(which));
+                          params_.in_proj_bias.data() + bias_offset(which), projection_width(which))
+                          .template cast<Compute>();
   }
 
-  // input [B, S, width] (or [S, width]) projected into [B*S', H_kv·D]: for each batch its S rows,
-  // then bias_k/bias_v (add_bias_kv), then a zero row (add_zero_attn).
-  void project_keys(TensorView<const T> input, int which, Index batch, Index key_len,
-                    Index total_keys, const Tensor<T>& extra_row, Matrix<T>& projected) const {
-    const Index width = input.dim(input.rank() - 1);
+  // input [B*S, width] projected into [B*S', H_kv·D]: for each batch its S rows, then
+  // bias_k/bias_v (add_bias_kv), then a zero row (add_zero_attn).
+  void project_keys(const Eigen::Map<const Matrix<Compute>>& input, int which, Index batch,
+                    Index key_len, Index total_keys, const Tensor<T>& extra_row,
+                    Matrix<Compute>& projected, Workspace<T>& workspace) const {
+    const Index width = input.cols();
     projected.resize(batch * total_keys, kv_dim());
     const auto weight = weight_rows(which);
     if (total_keys == key_len) {  // no extra rows: one GEMM over every batch
-      detail::threaded_product(projected, input.matrix(), weight.transpose(),
-                               detail::Accumulate::no);
+      detail::product_transposed(projected, input, weight, detail::Accumulate::no,
+                                 workspace.kernel);
       add_bias(projected, which);
       return;
     }
     for (Index b = 0; b < batch; ++b) {
       auto rows = projected.middleRows(b * total_keys, key_len);
-      detail::threaded_product(
-          rows, Eigen::Map<const Matrix<T>>(input.data() + b * key_len * width, key_len, width),
-          weight.transpose(), detail::Accumulate::no);
+      detail::product_transposed(
+          rows,
+          Eigen::Map<const Matrix<Compute>>(input.data() + b * key_len * width, key_len, width),
+          weight, detail::Accumulate::no, workspace.kernel);
       add_bias(rows, which);
       Index next = b * total_keys + key_len;
-      if (config_.add_bias_kv) projected.row(next++) = extra_row.flat().transpose();
+      if (config_.add_bias_kv) {
+        projected.row(next++) = extra_row.flat().transpose().template cast<Compute>();
+      }
       if (config_.add_zero_attn) projected.row(next).setZero();
     }
   }
 
   // attn_mask [L, S] shared, or [B*H, L, S] ([H, L, S] unbatched) indexed by b*H + h.
-  detail::MaskLayout<T> attn_mask_layout(const Mask<T>& mask, bool batched, Index batch,
-                                         Index query_len, Index key_len) const {
+  detail::MaskLayout<Compute> attn_mask_layout(const Mask<Compute>& mask, bool batched, Index batch,
+                                               Index query_len, Index key_len) const {
     if (mask.empty()) return {};
     const Index heads = config_.num_heads;
     const Index stacked = batched ? batch * heads : heads;
@@ -1316,8 +1413,8 @@ class MultiHeadAttention {
   }
 
   // key_padding_mask [B, S] ([S] unbatched), the same for every head and query.
-  detail::MaskLayout<T> key_padding_layout(const Mask<T>& mask, bool batched, Index batch,
-                                           Index key_len) const {
+  detail::MaskLayout<Compute> key_padding_layout(const Mask<Compute>& mask, bool batched,
+                                                 Index batch, Index key_len) const {
     if (mask.empty()) return {};
     const Shape expected = batched ? Shape{batch, key_len} : Shape{key_len};
     detail::check_shape("key_padding_mask", expected, mask.shape());
@@ -1325,7 +1422,7 @@ class MultiHeadAttention {
   }
 
   // [B, H, L, S'] -> [B, L, S'], the mean over heads.
-  void average_over_heads(const Tensor<T>& per_head, Tensor<T>& averaged) const {
+  void average_over_heads(const Tensor<Compute>& per_head, Tensor<Compute>& averaged) const {
     const Index batch = per_head.dim(0), heads = per_head.dim(1);
     const Index rows = per_head.dim(2), cols = per_head.dim(3);
     averaged.resize({batch, rows, cols});
@@ -1333,7 +1430,7 @@ class MultiHeadAttention {
       auto sum = averaged[b].matrix();
       sum.setZero();
       for (Index h = 0; h < heads; ++h) sum += per_head[b][h].matrix();
-      sum /= static_cast<T>(heads);
+      sum /= static_cast<Compute>(heads);
     }
   }
 

@@ -33,6 +33,30 @@ using Vector = Eigen::Matrix<T, Eigen::Dynamic, 1>;
 template <class T>
 using RowVector = Eigen::Matrix<T, 1, Eigen::Dynamic>;
 
+namespace detail {
+// The type arithmetic runs in. The 16-bit types (Eigen::half, Eigen::bfloat16) only store
+// parameters, inputs, outputs and cached keys and values; products, scores, the softmax and
+// every sum run in float (the tutorial's §4.3: keep the scores and the softmax in fp32), as
+// PyTorch's CPU kernels and FlashAttention accumulate half inputs in float.
+template <class T>
+struct ComputeType {
+  using type = T;
+};
+template <>
+struct ComputeType<Eigen::half> {
+  using type = float;
+};
+template <>
+struct ComputeType<Eigen::bfloat16> {
+  using type = float;
+};
+template <class T>
+using compute_t = typename ComputeType<T>::type;
+// True for the types that store in 16 bits and compute in float.
+template <class T>
+inline constexpr bool is_16bit_v = !std::is_same_v<T, compute_t<T>>;
+}  // namespace detail
+
 // A row-major matrix inside a larger buffer: rows are `outer stride` elements apart, elements
 // within a row are adjacent. This is how one head's [L, D] slice of a [L, E] block is seen
 // without a copy (outer stride E).
@@ -220,6 +244,23 @@ inline std::string to_string(const Shape& shape) {
 template <class T>
 TensorView<T> make_view(T* data, Shape shape) {
   return TensorView<T>(data, std::move(shape));
+}
+
+// A copy of `source` with its elements converted to To (rounded to nearest even when To is
+// narrower): the way between a float or double tensor and a 16-bit one.
+template <class To, class From>
+Tensor<To> tensor_cast(TensorView<const From> source) {
+  Tensor<To> converted;
+  converted.resize(source.shape());
+  if (source.size() > 0) {
+    converted.flat() =
+        Eigen::Map<const Vector<From>>(source.data(), source.size()).template cast<To>();
+  }
+  return converted;
+}
+template <class To, class From>
+Tensor<To> tensor_cast(const Tensor<From>& source) {
+  return tensor_cast<To, From>(source.view());
 }
 
 }  // namespace mha

@@ -683,41 +683,85 @@ inline void write_safetensors(const std::string& path, const SafetensorsFile& fi
   if (!out) source.fail("write failure");
 }
 
-// The tensor converted to T (float or double) from F32, F64, F16 or BF16. F64 to float rounds to
-// nearest; the other conversions are exact.
+namespace detail {
+template <class T>
+constexpr const char* scalar_name() {
+  if constexpr (std::is_same_v<T, float>) return "float";
+  if constexpr (std::is_same_v<T, double>) return "double";
+  if constexpr (std::is_same_v<T, Eigen::half>) return "Eigen::half";
+  return "Eigen::bfloat16";
+}
+// A 16-bit float from its bits, and back.
+template <class T>
+T from_bits16(std::uint16_t bits) {
+  return Eigen::numext::bit_cast<T>(bits);
+}
+template <class T>
+std::uint16_t bits16_of(T value) {
+  return Eigen::numext::bit_cast<std::uint16_t>(value);
+}
+}  // namespace detail
+
+// The tensor converted to T (float, double, Eigen::half or Eigen::bfloat16) from F32, F64, F16
+// or BF16. F16 into Eigen::half and BF16 into Eigen::bfloat16 are copied bit for bit; narrowing
+// conversions round to nearest, ties to even, once; widening ones are exact.
 template <class T>
 Tensor<T> to_tensor(const StoredTensor& stored, const std::string& name) {
-  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
-                "to_tensor converts to float or double; use to_bool_tensor for masks");
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double> ||
+                    std::is_same_v<T, Eigen::half> || std::is_same_v<T, Eigen::bfloat16>,
+                "to_tensor converts to float, double, Eigen::half or Eigen::bfloat16; use "
+                "to_bool_tensor for masks");
   const Dtype dtype = stored.dtype;
   if (dtype != Dtype::F32 && dtype != Dtype::F64 && dtype != Dtype::F16 && dtype != Dtype::BF16) {
     throw FileError("tensor " + detail::quote(name) +
                     ": expected dtype F32, F64, F16 or BF16 to read as " +
-                    (std::is_same_v<T, float> ? "float" : "double") + ", got " + dtype_name(dtype));
+                    detail::scalar_name<T>() + ", got " + dtype_name(dtype));
   }
-  const std::size_t count = detail::checked_element_count(stored, name);
-  Tensor<T> out(stored.shape);
-  T* dst = out.data();
-  const unsigned char* src = stored.bytes.data();
-  const std::size_t size = dtype_size(dtype);
-  for (std::size_t i = 0; i < count; ++i) {
-    const std::uint64_t bits = detail::load_le(src + i * size, size);
-    switch (dtype) {
-      case Dtype::F32:
-        dst[i] = static_cast<T>(detail::float_from_bits(static_cast<std::uint32_t>(bits)));
-        break;
-      case Dtype::F64:
-        dst[i] = detail::from_double<T>(detail::double_from_bits(bits));
-        break;
-      case Dtype::F16:
-        dst[i] = static_cast<T>(detail::half_to_float(static_cast<std::uint16_t>(bits)));
-        break;
-      default:
-        dst[i] = static_cast<T>(detail::bfloat16_to_float(static_cast<std::uint16_t>(bits)));
-        break;
+  if constexpr (std::is_same_v<T, Eigen::half> || std::is_same_v<T, Eigen::bfloat16>) {
+    constexpr Dtype native = std::is_same_v<T, Eigen::half> ? Dtype::F16 : Dtype::BF16;
+    const std::size_t count = detail::checked_element_count(stored, name);
+    Tensor<T> out(stored.shape);
+    const std::size_t size = dtype_size(dtype);
+    for (std::size_t i = 0; i < count; ++i) {
+      const std::uint64_t bits = detail::load_le(stored.bytes.data() + i * size, size);
+      if (dtype == native) {
+        out.data()[i] = detail::from_bits16<T>(static_cast<std::uint16_t>(bits));
+        continue;
+      }
+      const double wide =
+          dtype == Dtype::F64   ? detail::double_from_bits(bits)
+          : dtype == Dtype::F32 ? detail::float_from_bits(static_cast<std::uint32_t>(bits))
+          : dtype == Dtype::F16 ? detail::half_to_float(static_cast<std::uint16_t>(bits))
+                                : detail::bfloat16_to_float(static_cast<std::uint16_t>(bits));
+      out.data()[i] = detail::from_bits16<T>(
+          native == Dtype::F16 ? detail::float_to_half(wide) : detail::float_to_bfloat16(wide));
     }
+    return out;
+  } else {
+    const std::size_t count = detail::checked_element_count(stored, name);
+    Tensor<T> out(stored.shape);
+    T* dst = out.data();
+    const unsigned char* src = stored.bytes.data();
+    const std::size_t size = dtype_size(dtype);
+    for (std::size_t i = 0; i < count; ++i) {
+      const std::uint64_t bits = detail::load_le(src + i * size, size);
+      switch (dtype) {
+        case Dtype::F32:
+          dst[i] = static_cast<T>(detail::float_from_bits(static_cast<std::uint32_t>(bits)));
+          break;
+        case Dtype::F64:
+          dst[i] = detail::from_double<T>(detail::double_from_bits(bits));
+          break;
+        case Dtype::F16:
+          dst[i] = static_cast<T>(detail::half_to_float(static_cast<std::uint16_t>(bits)));
+          break;
+        default:
+          dst[i] = static_cast<T>(detail::bfloat16_to_float(static_cast<std::uint16_t>(bits)));
+          break;
+      }
+    }
+    return out;
   }
-  return out;
 }
 
 // A mask from a BOOL tensor, whose bytes must each be 0 or 1.
@@ -739,14 +783,15 @@ inline Tensor<bool> to_bool_tensor(const StoredTensor& stored, const std::string
   return out;
 }
 
-// Stores a float or double tensor as F16, BF16, F32 or F64 (rounding to nearest, ties to even,
-// when narrowing), or a bool tensor as BOOL.
+// Stores a float, double, Eigen::half or Eigen::bfloat16 tensor as F16, BF16, F32 or F64
+// (rounding to nearest, ties to even, when narrowing), or a bool tensor as BOOL.
 template <class T>
 StoredTensor from_tensor_as(TensorView<T> view, Dtype dtype) {
   using Scalar = std::remove_const_t<T>;
   static_assert(std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double> ||
-                    std::is_same_v<Scalar, bool>,
-                "safetensors stores float, double or bool tensors");
+                    std::is_same_v<Scalar, Eigen::half> ||
+                    std::is_same_v<Scalar, Eigen::bfloat16> || std::is_same_v<Scalar, bool>,
+                "safetensors stores float, double, Eigen::half, Eigen::bfloat16 or bool tensors");
   if constexpr (std::is_same_v<Scalar, bool>) {
     if (dtype != Dtype::BOOL) {
       mha::detail::throw_argument(
@@ -772,14 +817,27 @@ StoredTensor from_tensor_as(TensorView<T> view, Dtype dtype) {
     if constexpr (std::is_same_v<Scalar, bool>) {
       dst[i] = value ? 1 : 0;
     } else {
-      const auto wide = static_cast<double>(value);
+      double wide;  // the value, exactly
+      if constexpr (mha::detail::is_16bit_v<Scalar>) {
+        wide = static_cast<double>(static_cast<float>(value));
+      } else {
+        wide = static_cast<double>(value);
+      }
       std::uint64_t bits = 0;
       switch (dtype) {
         case Dtype::F16:
-          bits = detail::float_to_half(wide);
+          if constexpr (std::is_same_v<Scalar, Eigen::half>) {
+            bits = detail::bits16_of(value);  // NaN payloads too
+          } else {
+            bits = detail::float_to_half(wide);
+          }
           break;
         case Dtype::BF16:
-          bits = detail::float_to_bfloat16(wide);
+          if constexpr (std::is_same_v<Scalar, Eigen::bfloat16>) {
+            bits = detail::bits16_of(value);
+          } else {
+            bits = detail::float_to_bfloat16(wide);
+          }
           break;
         case Dtype::F32:
           bits = detail::bits_of(detail::narrow_to_float(wide));
@@ -799,13 +857,16 @@ StoredTensor from_tensor_as(const Tensor<T>& tensor, Dtype dtype) {
   return from_tensor_as(tensor.view(), dtype);
 }
 
-// Stores float as F32, double as F64 and bool as BOOL, bit for bit.
+// Stores float as F32, double as F64, Eigen::half as F16, Eigen::bfloat16 as BF16 and bool as
+// BOOL, bit for bit.
 template <class T>
 StoredTensor from_tensor(TensorView<T> view) {
   using Scalar = std::remove_const_t<T>;
-  constexpr Dtype dtype = std::is_same_v<Scalar, bool>     ? Dtype::BOOL
-                          : std::is_same_v<Scalar, double> ? Dtype::F64
-                                                           : Dtype::F32;
+  constexpr Dtype dtype = std::is_same_v<Scalar, bool>              ? Dtype::BOOL
+                          : std::is_same_v<Scalar, double>          ? Dtype::F64
+                          : std::is_same_v<Scalar, Eigen::half>     ? Dtype::F16
+                          : std::is_same_v<Scalar, Eigen::bfloat16> ? Dtype::BF16
+                                                                    : Dtype::F32;
   return from_tensor_as(view, dtype);
 }
 

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "mha/kernels/common.hpp"
 #include "mha/softmax.hpp"
@@ -32,6 +33,19 @@ struct FlashBlocks {
   Index query = 64;
   Index key = 256;
 };
+
+// Rows j0 .. j0 + count - 1 of one head's keys or values as T: the stored rows themselves, or
+// (16-bit storage) their conversion into `tile` ([block, D], sized by the caller).
+template <class T, class Head>
+auto rows_as(const Head& head, Index j0, Index count, Matrix<T>& tile) {
+  if constexpr (std::is_same_v<T, typename Head::Scalar>) {
+    return head.middleRows(j0, count);
+  } else {
+    auto converted = tile.topRows(count);
+    converted = head.middleRows(j0, count).template cast<T>();
+    return converted;
+  }
+}
 
 // Calls visit(j0, cols) for each key block that queries first_row..last_row of head h may see:
 // the input keys within causal masking's, the window's and the pattern's limits, then the extra
@@ -76,9 +90,13 @@ void for_each_key_block(const CoreOptions<T>& options, Index h, Index key_len, I
 // layouts. The first options.causal_cols keys are the input keys, subject to masks and causal
 // masking; the rest (bias_k, zero attention) are visible to every query. logsumexp is null or a
 // contiguous (B, H, L) buffer; a row with no visible key gets -inf there.
-template <class T>
+//
+// Keys and values may be stored in a 16-bit type (Stored, a half or bfloat16 KV cache): each key
+// block is then converted to T as it is visited, into the thread's key_tile and value_tile, so
+// the cache is read once at 2 bytes an element and never copied whole.
+template <class T, class Stored = T>
 void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
-                     const HeadLayout<const T>& k, const HeadLayout<const T>& v,
+                     const HeadLayout<const Stored>& k, const HeadLayout<const Stored>& v,
                      const HeadLayout<T>& out, const CoreOptions<T>& options,
                      std::vector<KernelScratch<T>>& scratch, T* logsumexp = nullptr,
                      const FlashBlocks& blocks = {}) {
@@ -104,6 +122,10 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
     mine.row_max.resize(blocks.query);
     mine.row_sum.resize(blocks.query);
     mine.exps.resize(blocks.key);
+    if constexpr (!std::is_same_v<T, Stored>) {
+      mine.key_tile.resize(blocks.key, k.cols);
+      mine.value_tile.resize(blocks.key, value_dim);
+    }
     Matrix<T>& tile = mine.scores;
     Matrix<T>& acc = mine.acc;
     Vector<T>& row_max = mine.row_max;
@@ -136,7 +158,8 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
         } else {
           s.setZero();
         }
-        options.add_scores(s, q_bh.middleRows(i0, rows), k_bh.middleRows(j0, cols), mine.capped);
+        options.add_scores(s, q_bh.middleRows(i0, rows), rows_as<T>(k_bh, j0, cols, mine.key_tile),
+                           mine.capped);
         // pass 2: online softmax, one row at a time
         for (Index r = 0; r < rows; ++r) {
           auto score_row = s.row(r);
@@ -161,7 +184,7 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
           }
         }
         if (options.dropout.active()) options.dropout.apply(b, h, i0, j0, s);
-        acc_blk.noalias() += s * v_bh.middleRows(j0, cols);
+        acc_blk.noalias() += s * rows_as<T>(v_bh, j0, cols, mine.value_tile);
       };
       for_each_key_block(options, h, key_len, query_len, i0, i0 + rows - 1, blocks.key, process);
 

@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <type_traits>
+#include <vector>
 
 #include "mha/kernels/common.hpp"
 
@@ -77,6 +78,52 @@ void threaded_product(Dst&& dst, const Lhs& lhs, const Rhs& rhs, Accumulate accu
       product(dst.middleRows(start, count), lhs.middleRows(start, count), rhs);
     } else {
       product(dst.middleCols(start, count), lhs, rhs.middleCols(start, count));
+    }
+  }
+}
+
+// dst [M, N] = (or +=) lhs [M, K] * weightᵀ, weight [N, K] row-major as a layer stores it (x Wᵀ,
+// a projection). With weights stored in a 16-bit type, panels of kPanelRows rows are converted
+// to T in each thread's scratch panel and multiplied there: the weight is read at 2 bytes an
+// element and never exists whole in T, which is what halves a layer's memory. Each panel's
+// columns are one serial product, whatever the thread count, as in threaded_product.
+template <class Dst, class Lhs, class Stored>
+void product_transposed(Dst&& dst, const Lhs& lhs, const Eigen::Map<const Matrix<Stored>>& weight,
+                        Accumulate accumulate,
+                        std::vector<KernelScratch<typename std::decay_t<Dst>::Scalar>>& scratch) {
+  using T = typename std::decay_t<Dst>::Scalar;
+  if constexpr (std::is_same_v<T, Stored>) {
+    threaded_product(dst, lhs, weight.transpose(), accumulate);
+  } else {
+    // 128 rows: a [B·L, K] left operand is re-packed once per panel, which costs about 1/64 of
+    // a byte per FLOP, while a panel of K ≤ 4096 floats stays within L2.
+    constexpr Index kPanelRows = 128, kSmallRows = 16;
+    const Index panels = (weight.rows() + kPanelRows - 1) / kPanelRows;
+    [[maybe_unused]] const double work = static_cast<double>(dst.rows()) *
+                                         static_cast<double>(dst.cols()) *
+                                         static_cast<double>(lhs.cols());
+    scratch_for_threads(scratch);
+    MHA_OMP_PRAGMA(omp parallel if (max_threads() > 1 && work >= kMinParallelWork)) {
+      Matrix<T>& buffer = scratch[static_cast<std::size_t>(thread_index())].panel;
+      buffer.resize(kPanelRows, weight.cols());  // allocates only when K changes
+      MHA_OMP_PRAGMA(omp for schedule(static))
+      for (Index p = 0; p < panels; ++p) {
+        const Index start = p * kPanelRows, count = std::min(kPanelRows, weight.rows() - start);
+        auto panel = buffer.topRows(count);
+        panel = weight.middleRows(start, count).template cast<T>();
+        auto dst_panel = dst.middleCols(start, count);
+        if (dst.rows() <= kSmallRows) {  // a few tokens: dot products, as threaded_product
+          if (accumulate == Accumulate::yes) {
+            dst_panel.noalias() += lhs.lazyProduct(panel.transpose());
+          } else {
+            dst_panel.noalias() = lhs.lazyProduct(panel.transpose());
+          }
+        } else if (accumulate == Accumulate::yes) {
+          dst_panel.noalias() += lhs * panel.transpose();
+        } else {
+          dst_panel.noalias() = lhs * panel.transpose();
+        }
+      }
     }
   }
 }

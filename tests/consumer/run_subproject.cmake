@@ -1,0 +1,74 @@
+# Configures, builds and runs the outside project in subproject/, which takes mha's source tree
+# with add_subdirectory or FetchContent (FetchContent_Declare with SOURCE_DIR: no network).
+# Run with cmake -P:
+#   -DMODE=add_subdirectory|fetchcontent   -DMHA_SOURCE_DIR=<mha source tree>
+#   -DCONSUMER_SOURCE_DIR=<tests/consumer/subproject>  -DWORK_DIR=<scratch directory, wiped>
+#   -DCXX_COMPILER=<C++ compiler>   optional: -DCXX_FLAGS=<CMAKE_CXX_FLAGS for the consumer>
+cmake_minimum_required(VERSION 3.16)
+
+foreach(var MODE MHA_SOURCE_DIR CONSUMER_SOURCE_DIR WORK_DIR CXX_COMPILER)
+  if(NOT DEFINED ${var} OR "${${var}}" STREQUAL "")
+    message(FATAL_ERROR "run_subproject.cmake: -D${var}=... is required")
+  endif()
+endforeach()
+if(NOT DEFINED CXX_FLAGS)
+  set(CXX_FLAGS "")
+endif()
+
+set(build "${WORK_DIR}/build")
+
+function(run_step name)
+  execute_process(COMMAND ${ARGN}
+                  RESULT_VARIABLE result
+                  OUTPUT_VARIABLE output
+                  ERROR_VARIABLE output)
+  if(NOT result EQUAL 0)
+    string(REPLACE ";" " " command "${ARGN}")
+    message(FATAL_ERROR "consumer test (${MODE}): step '${name}' failed (${result})\n"
+                        "command: ${command}\n${output}")
+  endif()
+  message(STATUS "consumer test (${MODE}): ${name}: ok")
+  if(name MATCHES "^run " AND NOT "${output}" STREQUAL "")
+    message(STATUS "${output}")
+  endif()
+endfunction()
+
+file(REMOVE_RECURSE "${WORK_DIR}")
+file(MAKE_DIRECTORY "${WORK_DIR}")
+
+# No build type, as a consumer that sets none: mha must not choose one for its parent project.
+run_step(configure ${CMAKE_COMMAND} -S "${CONSUMER_SOURCE_DIR}" -B "${build}"
+         "-DMHA_CONSUMER_MODE=${MODE}" "-DMHA_SOURCE_DIR=${MHA_SOURCE_DIR}"
+         "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}" "-DCMAKE_CXX_FLAGS=${CXX_FLAGS}"
+         "-DFETCHCONTENT_FULLY_DISCONNECTED=ON")
+
+# The cache must not have been given a build type by mha, and mha's own directories of programs
+# must not exist in the build tree.
+file(STRINGS "${build}/CMakeCache.txt" build_type REGEX "^CMAKE_BUILD_TYPE:")
+if(build_type MATCHES "=.+")
+  message(FATAL_ERROR "consumer test (${MODE}): mha set the parent's ${build_type}")
+endif()
+foreach(mha_binary_dir "${build}/mha" "${build}/_deps/mha-build")
+  foreach(programs tests examples bench tools)
+    if(EXISTS "${mha_binary_dir}/${programs}")
+      message(FATAL_ERROR "consumer test (${MODE}): mha's own ${programs} were configured in "
+                          "${mha_binary_dir}/${programs}")
+    endif()
+  endforeach()
+endforeach()
+if(NOT EXISTS "${build}/mha" AND NOT EXISTS "${build}/_deps/mha-build")
+  message(FATAL_ERROR "consumer test (${MODE}): mha's binary directory is not where expected")
+endif()
+
+run_step(build ${CMAKE_COMMAND} --build "${build}" --target consumer)
+
+set(path "")
+foreach(candidate "${build}/consumer" "${build}/consumer.exe" "${build}/Debug/consumer.exe")
+  if(path STREQUAL "" AND EXISTS "${candidate}" AND NOT IS_DIRECTORY "${candidate}")
+    set(path "${candidate}")
+  endif()
+endforeach()
+if(path STREQUAL "")
+  message(FATAL_ERROR "consumer test (${MODE}): the program 'consumer' was not built in ${build}")
+endif()
+run_step("run consumer" "${path}")
