@@ -293,6 +293,54 @@ void talking_heads(benchmark::State& state) {
   set_flops(state, static_cast<double>(B) * (8 * n * e * e + 4 * n * n * e));
 }
 
+// The same layer stored in T (float, Eigen::half, Eigen::bfloat16), computing in float. Forward
+// of self-attention at B = 4, E = 512, H = 8, L = range(0): params_MiB is what the layer's
+// parameters hold, peak_extra_MiB what one call allocates (the 16-bit layers' float copies of
+// input and output included).
+template <class T>
+void precision_forward(benchmark::State& state) {
+  const mha::Index B = 4, L = state.range(0), E = 512, H = 8;
+  const mha::MultiHeadAttention<T> layer(E, H);
+  const auto x = mha::tensor_cast<T>(random_tensor({B, L, E}, 1));
+  mha::ForwardOptions<T> options;
+  options.need_weights = false;
+  report_peak_memory(state, [&] { benchmark::DoNotOptimize(layer.forward(x, x, x, options)); });
+  for (auto _ : state) {
+    auto result = layer.forward(x, x, x, options);
+    benchmark::DoNotOptimize(result.output.data());
+  }
+  double bytes = 0;
+  for (const auto& entry : layer.state_dict()) {
+    bytes += static_cast<double>(entry.second.size()) * sizeof(T);
+  }
+  state.counters["params_MiB"] = bytes / (1024.0 * 1024.0);
+  const double n = static_cast<double>(L), e = static_cast<double>(E);
+  set_flops(state, static_cast<double>(B) * (8 * n * e * e + 4 * n * n * e));
+}
+
+// Decoding one token of one sequence with a context of range(0) cached tokens, E = 2048, H = 16
+// (as `decode` below, H_kv = 16), layer and KV cache stored in T: a step reads every weight and
+// the whole cache once, so 16-bit storage halves what it reads.
+template <class T>
+void precision_decode(benchmark::State& state) {
+  const mha::Index context = state.range(0), E = 2048, H = 16;
+  const mha::MultiHeadAttention<T> layer(E, H);
+  auto cache = layer.make_kv_cache(1, context + 1);
+  const auto options = mha::MultiHeadAttention<T>::decode_options();
+  layer.decode(mha::tensor_cast<T>(random_tensor({1, context, E}, 1)), cache, options);
+  const auto token = mha::tensor_cast<T>(random_tensor({1, 1, E}, 2));
+  for (auto _ : state) {
+    auto result = layer.decode(token, cache, options);
+    benchmark::DoNotOptimize(result.output.data());
+    cache.rewind(0, context);
+  }
+  state.counters["tokens_per_second"] =
+      benchmark::Counter(1, benchmark::Counter::kIsIterationInvariantRate);
+  const double e = static_cast<double>(E), bytes = sizeof(T);
+  state.counters["weights_MiB"] = bytes * 4 * e * e / (1024.0 * 1024.0);
+  state.counters["cache_MiB"] = bytes * 2 * static_cast<double>(context) * e / (1024.0 * 1024.0);
+}
+
 // A self-attention layer (E = 2048, H = 16, D = 128, like a small Llama) decoding one token for
 // each of B = range(0) sequences, with context = range(2) tokens in its KV cache, H_kv =
 // range(1). Each iteration is one decode step followed by a rewind, so the context stays the same;
@@ -480,6 +528,42 @@ BENCHMARK_CAPTURE(prefill, token_by_token, true)
     ->Name("prefill/token_by_token")
     ->ArgNames({"n", "H_kv"})
     ->ArgsProduct({{512}, {16, 4}})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(precision_forward, float)
+    ->Name("precision/forward/float")
+    ->ArgName("L")
+    ->Arg(512)
+    ->Arg(2048)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(precision_forward, Eigen::half)
+    ->Name("precision/forward/half")
+    ->ArgName("L")
+    ->Arg(512)
+    ->Arg(2048)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(precision_forward, Eigen::bfloat16)
+    ->Name("precision/forward/bfloat16")
+    ->ArgName("L")
+    ->Arg(512)
+    ->Arg(2048)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(precision_decode, float)
+    ->Name("precision/decode/float")
+    ->ArgName("context")
+    ->Arg(16)
+    ->Arg(2048)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(precision_decode, Eigen::half)
+    ->Name("precision/decode/half")
+    ->ArgName("context")
+    ->Arg(16)
+    ->Arg(2048)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(precision_decode, Eigen::bfloat16)
+    ->Name("precision/decode/bfloat16")
+    ->ArgName("context")
+    ->Arg(16)
+    ->Arg(2048)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(gemm)->Name("gemm")->ArgName("N")->Arg(512)->Arg(1024)->Unit(benchmark::kMillisecond);
 

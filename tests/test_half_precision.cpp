@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <map>
 #include <string>
 #include <vector>
@@ -244,9 +245,23 @@ TEMPLATE_TEST_CASE("16-bit kernels agree and do not depend on the thread count",
   const auto serial = layers.narrow.forward(x.view(), options);
   omp_set_num_threads(2);
   const auto parallel = layers.narrow.forward(x.view(), options);
+  // A decoding step of a few tokens takes the other projection path (weights widened in
+  // registers), threaded from E = 256 on: the same there.
+  const MultiHeadAttention<T16> wide_layer(256, 4);
+  const auto prompt = mha::tensor_cast<T16>(mha_test::random_tensor<double>({2, 30, 256}, 6));
+  const auto token = mha::tensor_cast<T16>(mha_test::random_tensor<double>({2, 1, 256}, 7));
+  std::vector<Tensor<T16>> steps;
+  for (const int threads : {1, 2}) {
+    omp_set_num_threads(threads);
+    auto cache = wide_layer.make_kv_cache(2, 40);
+    wide_layer.decode(prompt.view(), cache);
+    steps.push_back(wide_layer.decode(token.view(), cache).output);
+  }
   omp_set_num_threads(threads_before);
   CHECK(std::memcmp(serial.output.data(), parallel.output.data(),
                     static_cast<std::size_t>(serial.output.size()) * sizeof(T16)) == 0);
+  CHECK(std::memcmp(steps[0].data(), steps[1].data(),
+                    static_cast<std::size_t>(steps[0].size()) * sizeof(T16)) == 0);
 #endif
 }
 
@@ -387,5 +402,53 @@ TEMPLATE_TEST_CASE("safetensors F16 and BF16 load directly into 16-bit layers", 
             std::abs(static_cast<double>(static_cast<float>(eigen)) - stored_value));
       if (dtype != mha::io::Dtype::F64) CHECK(read_value == static_cast<float>(eigen));
     }
+  }
+}
+
+TEMPLATE_TEST_CASE("widening and narrowing give Eigen's conversions, bit for bit", "[half]",
+                   Eigen::half, Eigen::bfloat16) {
+  using T16 = TestType;
+  // Specials, ties between two 16-bit values, values that round past the largest finite one,
+  // subnormals of both types, and random values; 37 elements so that the vector loops have a
+  // scalar tail.
+  std::vector<float> values = {0.0f,
+                               -0.0f,
+                               1.0f,
+                               -1.0f,
+                               65504.0f,
+                               65520.0f,
+                               1e30f,
+                               -1e30f,
+                               std::numeric_limits<float>::infinity(),
+                               -std::numeric_limits<float>::infinity(),
+                               std::numeric_limits<float>::quiet_NaN(),
+                               1e-8f,
+                               6e-8f,
+                               1e-40f,
+                               1.0f + 0x1p-11f,
+                               1.0f + 3 * 0x1p-11f,
+                               1.0f + 0x1p-8f,
+                               1.0f + 3 * 0x1p-8f,
+                               3.14159265f,
+                               -2.71828182f};
+  mha::Random random(11);
+  while (values.size() < 37) values.push_back(static_cast<float>(random.normal() * 100));
+  const auto n = static_cast<Index>(values.size());
+  std::vector<T16> narrowed(values.size());
+  mha::detail::narrow(values.data(), n, narrowed.data());
+  std::vector<float> widened(values.size());
+  mha::detail::widen(narrowed.data(), n, widened.data());
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    INFO("element " << i << ": " << values[i]);
+    const T16 expected = static_cast<T16>(values[i]);
+    if (std::isnan(values[i])) {
+      CHECK(std::isnan(static_cast<float>(narrowed[i])));
+      CHECK(std::isnan(widened[i]));
+      continue;
+    }
+    CHECK(Eigen::numext::bit_cast<std::uint16_t>(narrowed[i]) ==
+          Eigen::numext::bit_cast<std::uint16_t>(expected));
+    CHECK(Eigen::numext::bit_cast<std::uint32_t>(widened[i]) ==
+          Eigen::numext::bit_cast<std::uint32_t>(static_cast<float>(expected)));
   }
 }

@@ -88,9 +88,7 @@ void attention(Kernel kernel, Index batch, Index heads, const HeadLayout<const T
                                                 (stored.rows - 1) * stored.row_stride + stored.cols;
     copy.resize(batch, extent);
     for (Index b = 0; b < batch && extent > 0; ++b) {
-      copy.row(b) =
-          Eigen::Map<const RowVector<Stored>>(stored.data + b * stored.batch_stride, extent)
-              .template cast<T>();
+      widen(stored.data + b * stored.batch_stride, extent, copy.data() + b * extent);
     }
     HeadLayout<const T> layout{copy.data(),       extent,      stored.head_stride,
                                stored.row_stride, stored.rows, stored.cols};

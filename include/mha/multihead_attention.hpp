@@ -849,9 +849,8 @@ class MultiHeadAttention {
                              false);
       }
       const Index first = cache.reserve(b, count);
-      const auto store = [](Compute element) { return static_cast<T>(element); };
-      std::transform(keys, keys + count * width, cache.key_row(b, first), store);
-      std::transform(values, values + count * width, cache.value_row(b, first), store);
+      detail::narrow(keys, count * width, cache.key_row(b, first));
+      detail::narrow(values, count * width, cache.value_row(b, first));
       const Index start = cache.start_[static_cast<std::size_t>(b)];
       const Index total_keys = first + count - start;
       core.causal_cols = total_keys;
@@ -1167,7 +1166,7 @@ class MultiHeadAttention {
         weights = &workspace.weights;
       }
       result.attn_weights.resize(weights->shape());
-      result.attn_weights.flat() = weights->flat().template cast<T>();
+      detail::narrow(weights->data(), weights->size(), result.attn_weights.data());
     } else if (options.average_attn_weights) {
       average_over_heads(per_head_weights, result.attn_weights);
     }
@@ -1195,7 +1194,9 @@ class MultiHeadAttention {
   static Eigen::Map<const Matrix<Compute>> as_compute(const TensorView<const T>& input,
                                                       Matrix<Compute>& buffer) {
     if constexpr (detail::is_16bit_v<T>) {
-      buffer = input.matrix().template cast<Compute>();
+      const auto rows = input.matrix();
+      buffer.resize(rows.rows(), rows.cols());
+      detail::widen(input.data(), input.size(), buffer.data());
       return {buffer.data(), buffer.rows(), buffer.cols()};
     } else {
       return input.matrix();
@@ -1217,7 +1218,7 @@ class MultiHeadAttention {
     if constexpr (detail::is_16bit_v<T>) {
       buffer.resize(heads_output.rows(), config_.embed_dim);
       project(buffer);
-      output.matrix() = buffer.template cast<T>();
+      detail::narrow(buffer.data(), buffer.size(), output.data());
     } else {
       project(output.matrix());
     }

@@ -21,6 +21,7 @@
 #include <type_traits>
 
 #include "mha/kernels/common.hpp"
+#include "mha/kernels/convert.hpp"
 #include "mha/softmax.hpp"
 
 namespace mha {
@@ -41,9 +42,8 @@ auto rows_as(const Head& head, Index j0, Index count, Matrix<T>& tile) {
   if constexpr (std::is_same_v<T, typename Head::Scalar>) {
     return head.middleRows(j0, count);
   } else {
-    auto converted = tile.topRows(count);
-    converted = head.middleRows(j0, count).template cast<T>();
-    return converted;
+    widen_rows(head.data() + j0 * head.outerStride(), count, head.cols(), head.outerStride(), tile);
+    return tile.topRows(count);
   }
 }
 

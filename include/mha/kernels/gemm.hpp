@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "mha/kernels/common.hpp"
+#include "mha/kernels/convert.hpp"
 
 namespace mha {
 namespace detail {
@@ -96,23 +97,52 @@ void product_transposed(Dst&& dst, const Lhs& lhs, const Eigen::Map<const Matrix
     threaded_product(dst, lhs, weight.transpose(), accumulate);
   } else {
     // 128 rows: a [B·L, K] left operand is re-packed once per panel, which costs about 1/64 of
-    // a byte per FLOP, while a panel of K ≤ 4096 floats stays within L2.
-    constexpr Index kPanelRows = 128, kSmallRows = 16;
+    // a byte per FLOP.
+    constexpr Index kSmallRows = 16, kPanelRows = 128;
+    const bool small = dst.rows() <= kSmallRows;
     const Index panels = (weight.rows() + kPanelRows - 1) / kPanelRows;
     [[maybe_unused]] const double work = static_cast<double>(dst.rows()) *
                                          static_cast<double>(dst.cols()) *
                                          static_cast<double>(lhs.cols());
+#ifdef MHA_FUSED_16BIT_DOT
+    if constexpr (std::is_same_v<T, float>) {
+      // A few tokens (a decoding step) convert the weights in registers instead: converting a
+      // panel into memory and reading it back made a 16-bit step no faster than a float one.
+      if (small) {
+        MHA_OMP_PRAGMA(
+            omp parallel for schedule(static) if (max_threads() > 1 && work >= kMinParallelWork))
+        for (Index p = 0; p < panels; ++p) {
+          const Index start = p * kPanelRows;
+          fused_dot_rows(lhs.data(), dst.rows(), lhs.outerStride(), weight.data(), weight.cols(),
+                         start, std::min(kPanelRows, weight.rows() - start), dst.data() + start,
+                         dst.outerStride(), accumulate == Accumulate::yes);
+        }
+        return;
+      }
+    }
+#endif
     scratch_for_threads(scratch);
+    if (dst.rows() >= weight.rows()) {
+      // At least as many tokens as weight rows: the float copy of the whole weight is no larger
+      // than dst itself, and one threaded GEMM re-packs lhs once instead of once per panel
+      // (measured at L = 2048, E = 512: 12 % slower than float with panels).
+      Matrix<T>& whole = scratch.front().panel;
+      whole.resize(weight.rows(), weight.cols());
+      widen(weight.data(), weight.size(), whole.data());
+      threaded_product(dst, lhs, whole.transpose(), accumulate);
+      return;
+    }
+    const Index panel_rows = kPanelRows;
     MHA_OMP_PRAGMA(omp parallel if (max_threads() > 1 && work >= kMinParallelWork)) {
       Matrix<T>& buffer = scratch[static_cast<std::size_t>(thread_index())].panel;
-      buffer.resize(kPanelRows, weight.cols());  // allocates only when K changes
+      buffer.resize(panel_rows, weight.cols());  // allocates only when the shape changes
       MHA_OMP_PRAGMA(omp for schedule(static))
       for (Index p = 0; p < panels; ++p) {
-        const Index start = p * kPanelRows, count = std::min(kPanelRows, weight.rows() - start);
-        auto panel = buffer.topRows(count);
-        panel = weight.middleRows(start, count).template cast<T>();
+        const Index start = p * panel_rows, count = std::min(panel_rows, weight.rows() - start);
+        widen(weight.data() + start * weight.cols(), count * weight.cols(), buffer.data());
+        const auto panel = buffer.topRows(count);
         auto dst_panel = dst.middleCols(start, count);
-        if (dst.rows() <= kSmallRows) {  // a few tokens: dot products, as threaded_product
+        if (small) {  // a few tokens: dot products, as threaded_product
           if (accumulate == Accumulate::yes) {
             dst_panel.noalias() += lhs.lazyProduct(panel.transpose());
           } else {
