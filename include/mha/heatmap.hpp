@@ -440,16 +440,15 @@ inline std::string svg_number(double value) {
   return text;
 }
 
-inline std::ofstream open_for_writing(const std::string& path) {
+// Writes a picture already encoded in memory (so that bad arguments leave no file behind) to
+// `path`, created or replaced.
+inline void save_picture(const std::string& path, const std::string& bytes) {
   std::ofstream file(path, std::ios::binary);
   if (!file) {
     throw std::runtime_error("heatmap: cannot open " + path +
                              " for writing: " + std::strerror(errno));
   }
-  return file;
-}
-
-inline void finish_writing(std::ofstream& file, const std::string& path) {
+  file.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   file.close();
   if (!file) throw std::runtime_error("heatmap: cannot write " + path);
 }
@@ -552,12 +551,9 @@ inline void save_heatmap_svg(const std::string& path, const HeatmapWeights& weig
                              const std::vector<std::string>& query_labels,
                              const std::vector<std::string>& key_labels,
                              const HeatmapOptions& options = {}) {
-  std::ostringstream svg;  // built first, so that bad arguments leave no file behind
+  std::ostringstream svg;
   write_heatmap_svg(svg, weights, query_labels, key_labels, options);
-  std::ofstream file = detail::open_for_writing(path);
-  const std::string text = svg.str();
-  file.write(text.data(), static_cast<std::streamsize>(text.size()));
-  detail::finish_writing(file, path);
+  detail::save_picture(path, svg.str());
 }
 
 }  // namespace mha

@@ -5,34 +5,12 @@
 #   optional: -DCXX_FLAGS=<CMAKE_CXX_FLAGS for the consumer, e.g. sanitizer flags>
 cmake_minimum_required(VERSION 3.16)
 
-foreach(var MHA_BINARY_DIR CONSUMER_SOURCE_DIR WORK_DIR CXX_COMPILER)
-  if(NOT DEFINED ${var} OR "${${var}}" STREQUAL "")
-    message(FATAL_ERROR "run.cmake: -D${var}=... is required")
-  endif()
-endforeach()
-if(NOT DEFINED CXX_FLAGS)
-  set(CXX_FLAGS "")
-endif()
+set(CONSUMER_TEST "consumer test")
+include("${CMAKE_CURRENT_LIST_DIR}/steps.cmake")
+require_arguments(MHA_BINARY_DIR CONSUMER_SOURCE_DIR WORK_DIR CXX_COMPILER)
 
 set(prefix "${WORK_DIR}/prefix")
 set(build "${WORK_DIR}/build")
-
-# Runs one step; on failure stops with the step's command and output.
-function(run_step name)
-  execute_process(COMMAND ${ARGN}
-                  RESULT_VARIABLE result
-                  OUTPUT_VARIABLE output
-                  ERROR_VARIABLE output)
-  if(NOT result EQUAL 0)
-    string(REPLACE ";" " " command "${ARGN}")
-    message(FATAL_ERROR "consumer test: step '${name}' failed (${result})\n"
-                        "command: ${command}\n${output}")
-  endif()
-  message(STATUS "consumer test: ${name}: ok")
-  if(name MATCHES "^run " AND NOT "${output}" STREQUAL "")
-    message(STATUS "${output}")
-  endif()
-endfunction()
 
 file(REMOVE_RECURSE "${WORK_DIR}")
 file(MAKE_DIRECTORY "${WORK_DIR}")

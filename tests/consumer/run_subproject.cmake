@@ -6,32 +6,11 @@
 #   -DCXX_COMPILER=<C++ compiler>   optional: -DCXX_FLAGS=<CMAKE_CXX_FLAGS for the consumer>
 cmake_minimum_required(VERSION 3.16)
 
-foreach(var MODE MHA_SOURCE_DIR CONSUMER_SOURCE_DIR WORK_DIR CXX_COMPILER)
-  if(NOT DEFINED ${var} OR "${${var}}" STREQUAL "")
-    message(FATAL_ERROR "run_subproject.cmake: -D${var}=... is required")
-  endif()
-endforeach()
-if(NOT DEFINED CXX_FLAGS)
-  set(CXX_FLAGS "")
-endif()
+set(CONSUMER_TEST "consumer test (${MODE})")
+include("${CMAKE_CURRENT_LIST_DIR}/steps.cmake")
+require_arguments(MODE MHA_SOURCE_DIR CONSUMER_SOURCE_DIR WORK_DIR CXX_COMPILER)
 
 set(build "${WORK_DIR}/build")
-
-function(run_step name)
-  execute_process(COMMAND ${ARGN}
-                  RESULT_VARIABLE result
-                  OUTPUT_VARIABLE output
-                  ERROR_VARIABLE output)
-  if(NOT result EQUAL 0)
-    string(REPLACE ";" " " command "${ARGN}")
-    message(FATAL_ERROR "consumer test (${MODE}): step '${name}' failed (${result})\n"
-                        "command: ${command}\n${output}")
-  endif()
-  message(STATUS "consumer test (${MODE}): ${name}: ok")
-  if(name MATCHES "^run " AND NOT "${output}" STREQUAL "")
-    message(STATUS "${output}")
-  endif()
-endfunction()
 
 file(REMOVE_RECURSE "${WORK_DIR}")
 file(MAKE_DIRECTORY "${WORK_DIR}")

@@ -232,12 +232,9 @@ inline void save_heatmap_png(const std::string& path, const HeatmapWeights& weig
                              const std::vector<std::string>& query_labels,
                              const std::vector<std::string>& key_labels,
                              const HeatmapOptions& options = {}) {
-  std::ostringstream png;  // encoded first, so that bad arguments leave no file behind
+  std::ostringstream png;
   write_heatmap_png(png, weights, query_labels, key_labels, options);
-  std::ofstream file = detail::open_for_writing(path);
-  const std::string bytes = png.str();
-  file.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  detail::finish_writing(file, path);
+  detail::save_picture(path, png.str());
 }
 
 }  // namespace mha

@@ -1,0 +1,33 @@
+# What the consumer test scripts share (include()d by run.cmake and run_subproject.cmake): the
+# check of their -D arguments, and run_step. The includer sets CONSUMER_TEST, its name in
+# messages.
+
+# Stops unless every variable named is given and not empty; CXX_FLAGS defaults to "".
+macro(require_arguments)
+  foreach(var ${ARGN})
+    if(NOT DEFINED ${var} OR "${${var}}" STREQUAL "")
+      message(FATAL_ERROR "${CONSUMER_TEST}: -D${var}=... is required")
+    endif()
+  endforeach()
+  if(NOT DEFINED CXX_FLAGS)
+    set(CXX_FLAGS "")
+  endif()
+endmacro()
+
+# Runs one step; on failure stops with the step's command and output. A step named "run ..."
+# shows the program's output.
+function(run_step name)
+  execute_process(COMMAND ${ARGN}
+                  RESULT_VARIABLE result
+                  OUTPUT_VARIABLE output
+                  ERROR_VARIABLE output)
+  if(NOT result EQUAL 0)
+    string(REPLACE ";" " " command "${ARGN}")
+    message(FATAL_ERROR "${CONSUMER_TEST}: step '${name}' failed (${result})\n"
+                        "command: ${command}\n${output}")
+  endif()
+  message(STATUS "${CONSUMER_TEST}: ${name}: ok")
+  if(name MATCHES "^run " AND NOT "${output}" STREQUAL "")
+    message(STATUS "${output}")
+  endif()
+endfunction()
