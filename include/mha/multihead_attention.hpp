@@ -2,12 +2,12 @@
 // Eigen::half and Eigen::bfloat16.
 //
 // The 16-bit layers store their parameters, take and return tensors, and keep their KV cache in
-// 16 bits, and compute in float: projections multiply float copies of 128-row weight panels,
-// the kernels see float queries, keys and values (a 16-bit cache is converted block by block as
-// the flash kernel reads it), and the scores, softmax and sums are float, as the tutorial's
-// §4.3 advises. Each result is rounded to 16 bits once. They serve inference (forward and
-// decode); training runs in float or double (forward_train does not compile for them), and
-// talking heads are refused.
+// 16 bits, and compute in float: projections widen the weights as they multiply them (see
+// product_transposed in kernels/gemm.hpp), the kernels see float queries, keys and values (a
+// 16-bit cache is converted block by block as the flash kernel reads it), and the scores,
+// softmax and sums are float, as the tutorial's §4.3 advises. Each result is rounded to 16 bits
+// once. They serve inference (forward and decode); training runs in float or double (forward_train
+// does not compile for them), and talking heads are refused.
 //
 // Parameters are stored under their PyTorch state_dict names and shapes, so a layer exported
 // from PyTorch loads without renaming or transposing:

@@ -84,10 +84,14 @@ void threaded_product(Dst&& dst, const Lhs& lhs, const Rhs& rhs, Accumulate accu
 }
 
 // dst [M, N] = (or +=) lhs [M, K] * weightᵀ, weight [N, K] row-major as a layer stores it (x Wᵀ,
-// a projection). With weights stored in a 16-bit type, panels of kPanelRows rows are converted
-// to T in each thread's scratch panel and multiplied there: the weight is read at 2 bytes an
-// element and never exists whole in T, which is what halves a layer's memory. Each panel's
-// columns are one serial product, whatever the thread count, as in threaded_product.
+// a projection). With weights stored in a 16-bit type, by the number of tokens M:
+//   M <= 16 (a decoding step): each weight row is widened in registers inside the dot products
+//     (AVX-512; elsewhere as the panels below), so the weight is read once at 2 bytes an element;
+//   M >= N: the whole weight is converted once into scratch and one threaded GEMM runs (its
+//     float copy is then no larger than dst);
+//   otherwise: panels of 128 rows converted into each thread's scratch and multiplied there.
+// Each output column is computed by one thread with the same arithmetic whatever the thread
+// count, as in threaded_product.
 template <class Dst, class Lhs, class Stored>
 void product_transposed(Dst&& dst, const Lhs& lhs, const Eigen::Map<const Matrix<Stored>>& weight,
                         Accumulate accumulate,
