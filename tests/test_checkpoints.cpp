@@ -69,16 +69,6 @@ SafetensorsFile renamed(const SafetensorsFile& file, const std::string& from,
   return out;
 }
 
-template <class T>
-mha::io::StoredTensor stored(const Tensor<T>& tensor) {
-  return mha::io::from_tensor(tensor);
-}
-
-template <class Exception, class F>
-std::string message_of(F&& f) {
-  return mha_test::message_of<Exception>(std::forward<F>(f));
-}
-
 // Loads both layers with `load` and checks them against torch; returns layer 1 for more checks.
 template <class T, class Load>
 void check_layers(const std::string& name, Load&& load) {
@@ -246,7 +236,7 @@ TEMPLATE_TEST_CASE("Llama without GQA loads into the packed projection", "[check
         const T* from = narrow.data() + (h / (heads / kv_heads)) * head_dim * embed;
         std::copy(from, from + head_dim * embed, wide.data() + h * head_dim * embed);
       }
-      file.tensors[name] = stored(wide);
+      file.tensors[name] = mha::io::from_tensor(wide);
     }
   }
   const LlamaAttentionConfig config(heads, 0, 1000.0);
@@ -289,38 +279,42 @@ TEST_CASE("Missing tensors, wrong shapes and dtypes are refused with their names
   {
     SafetensorsFile file = bert;
     file.tensors.erase(layer1 + "self.key.bias");
-    CHECK(message_of<FileError>([&] { mha::io::load_bert_attention<float>(file, 1, 4); }) ==
-          "BERT attention layer 1: missing tensor "
-          "'bert.encoder.layer.1.attention.self.key.bias'");
+    CHECK(
+        mha_test::message_of<FileError>([&] { mha::io::load_bert_attention<float>(file, 1, 4); }) ==
+        "BERT attention layer 1: missing tensor "
+        "'bert.encoder.layer.1.attention.self.key.bias'");
     CHECK_NOTHROW(mha::io::load_bert_attention<float>(file, 0, 4));
   }
   {
     SafetensorsFile file = bert;
     file.tensors.erase(layer1 + "output.dense.weight");
-    CHECK(message_of<FileError>([&] { mha::io::load_bert_attention<double>(file, 1, 4); }) ==
+    CHECK(mha_test::message_of<FileError>(
+              [&] { mha::io::load_bert_attention<double>(file, 1, 4); }) ==
           "BERT attention layer 1: missing tensor "
           "'bert.encoder.layer.1.attention.output.dense.weight'");
   }
   {
     SafetensorsFile file = bert;
-    file.tensors[layer1 + "self.value.weight"] = stored(Tensor<float>({16, 8}, 0.0f));
-    CHECK(message_of<FileError>([&] { mha::io::load_bert_attention<float>(file, 1, 4); }) ==
-          "BERT attention layer 1: tensor 'bert.encoder.layer.1.attention.self.value.weight': "
-          "expected shape [16, 16] ([E, E], E = 16), got [16, 8]");
+    file.tensors[layer1 + "self.value.weight"] = mha::io::from_tensor(Tensor<float>({16, 8}, 0.0f));
+    CHECK(
+        mha_test::message_of<FileError>([&] { mha::io::load_bert_attention<float>(file, 1, 4); }) ==
+        "BERT attention layer 1: tensor 'bert.encoder.layer.1.attention.self.value.weight': "
+        "expected shape [16, 16] ([E, E], E = 16), got [16, 8]");
   }
   {
     SafetensorsFile file = bert;
-    file.tensors[layer1 + "self.query.weight"] = stored(Tensor<float>({16}, 0.0f));
-    CHECK(message_of<FileError>([&] { mha::io::load_bert_attention<float>(file, 1, 4); }) ==
-          "BERT attention layer 1: tensor 'bert.encoder.layer.1.attention.self.query.weight': "
-          "expected shape [E, E] with positive sizes, got [16]");
+    file.tensors[layer1 + "self.query.weight"] = mha::io::from_tensor(Tensor<float>({16}, 0.0f));
+    CHECK(
+        mha_test::message_of<FileError>([&] { mha::io::load_bert_attention<float>(file, 1, 4); }) ==
+        "BERT attention layer 1: tensor 'bert.encoder.layer.1.attention.self.query.weight': "
+        "expected shape [E, E] with positive sizes, got [16]");
   }
   {
     SafetensorsFile file = bert;
     mha::io::StoredTensor& bias = file.tensors[layer1 + "output.dense.bias"];
     bias.dtype = mha::io::Dtype::I32;
     const std::string message =
-        message_of<FileError>([&] { mha::io::load_bert_attention<float>(file, 1, 4); });
+        mha_test::message_of<FileError>([&] { mha::io::load_bert_attention<float>(file, 1, 4); });
     CHECK(contains(message,
                    "BERT attention layer 1: tensor "
                    "'bert.encoder.layer.1.attention.output.dense.bias': expected dtype "
@@ -330,31 +324,35 @@ TEST_CASE("Missing tensors, wrong shapes and dtypes are refused with their names
     // GPT-2's c_attn in nn.Linear's layout, as a careless converter would write it.
     SafetensorsFile file = checkpoint("gpt2_f16");
     file.tensors["h.1.attn.c_attn.weight"].shape = {72, 24};
-    CHECK(message_of<FileError>([&] { mha::io::load_gpt2_attention<float>(file, 1, 3); }) ==
-          "GPT-2 attention layer 1: tensor 'h.1.attn.c_attn.weight' has shape [72, 24], "
-          "nn.Linear's [3E, E]; GPT-2's Conv1D stores [E, 3E] (transposed)");
+    CHECK(
+        mha_test::message_of<FileError>([&] { mha::io::load_gpt2_attention<float>(file, 1, 3); }) ==
+        "GPT-2 attention layer 1: tensor 'h.1.attn.c_attn.weight' has shape [72, 24], "
+        "nn.Linear's [3E, E]; GPT-2's Conv1D stores [E, 3E] (transposed)");
     CHECK_NOTHROW(mha::io::load_gpt2_attention<float>(file, 0, 3));
     file.tensors["h.1.attn.c_attn.weight"].shape = {24, 70};
-    CHECK(message_of<FileError>([&] { mha::io::load_gpt2_attention<float>(file, 1, 3); }) ==
-          "GPT-2 attention layer 1: tensor 'h.1.attn.c_attn.weight': expected shape [E, 3E] "
-          "(Conv1D: [in, out]), got [24, 70]");
+    CHECK(
+        mha_test::message_of<FileError>([&] { mha::io::load_gpt2_attention<float>(file, 1, 3); }) ==
+        "GPT-2 attention layer 1: tensor 'h.1.attn.c_attn.weight': expected shape [E, 3E] "
+        "(Conv1D: [in, out]), got [24, 70]");
   }
   {
     SafetensorsFile file = checkpoint("gpt2_f16");
     file.tensors["h.1.attn.c_proj.bias"].shape = {1, 24};
-    CHECK(message_of<FileError>([&] { mha::io::load_gpt2_attention<float>(file, 1, 3); }) ==
-          "GPT-2 attention layer 1: tensor 'h.1.attn.c_proj.bias': expected shape [24] ([E], "
-          "E = 24), got [1, 24]");
+    CHECK(
+        mha_test::message_of<FileError>([&] { mha::io::load_gpt2_attention<float>(file, 1, 3); }) ==
+        "GPT-2 attention layer 1: tensor 'h.1.attn.c_proj.bias': expected shape [24] ([E], "
+        "E = 24), got [1, 24]");
   }
   {
     SafetensorsFile file = checkpoint("llama_bf16");
     file.tensors.erase("model.layers.0.self_attn.o_proj.weight");
-    CHECK(message_of<FileError>([&] {
+    CHECK(mha_test::message_of<FileError>([&] {
             mha::io::load_llama_attention<float>(file, 0, LlamaAttentionConfig(4, 2, 1000.0));
           }) == "Llama attention layer 0: missing tensor 'model.layers.0.self_attn.o_proj.weight'");
     file = checkpoint("llama_bf16");
-    file.tensors["model.layers.1.self_attn.v_proj.weight"] = stored(Tensor<float>({8, 32}, 0.0f));
-    CHECK(message_of<FileError>([&] {
+    file.tensors["model.layers.1.self_attn.v_proj.weight"] =
+        mha::io::from_tensor(Tensor<float>({8, 32}, 0.0f));
+    CHECK(mha_test::message_of<FileError>([&] {
             mha::io::load_llama_attention<float>(file, 1, LlamaAttentionConfig(4, 2, 1000.0));
           }) ==
           "Llama attention layer 1: tensor 'model.layers.1.self_attn.v_proj.weight': "
@@ -363,8 +361,9 @@ TEST_CASE("Missing tensors, wrong shapes and dtypes are refused with their names
   {
     // A q bias without the k and v biases is a broken attention_bias checkpoint.
     SafetensorsFile file = checkpoint("llama_bf16");
-    file.tensors["model.layers.1.self_attn.q_proj.bias"] = stored(Tensor<float>({32}, 0.0f));
-    CHECK(message_of<FileError>([&] {
+    file.tensors["model.layers.1.self_attn.q_proj.bias"] =
+        mha::io::from_tensor(Tensor<float>({32}, 0.0f));
+    CHECK(mha_test::message_of<FileError>([&] {
             mha::io::load_llama_attention<float>(file, 1, LlamaAttentionConfig(4, 2, 1000.0));
           }) == "Llama attention layer 1: missing tensor 'model.layers.1.self_attn.k_proj.bias'");
   }
@@ -372,10 +371,10 @@ TEST_CASE("Missing tensors, wrong shapes and dtypes are refused with their names
 
 TEST_CASE("Files without the family's layers, or with two prefixes, are refused", "[checkpoints]") {
   const SafetensorsFile gpt2 = checkpoint("gpt2_f16");
-  CHECK(message_of<FileError>([&] { mha::io::load_bert_attention<float>(gpt2, 0, 3); }) ==
+  CHECK(mha_test::message_of<FileError>([&] { mha::io::load_bert_attention<float>(gpt2, 0, 3); }) ==
         "no BERT attention layer in the file: no tensor named "
         "[PREFIX]encoder.layer.{i}.attention.self.query.weight");
-  CHECK(message_of<FileError>(
+  CHECK(mha_test::message_of<FileError>(
             [&] { mha::io::load_llama_attention<float>(gpt2, 0, LlamaAttentionConfig(3)); }) ==
         "no Llama attention layer in the file: no tensor named "
         "[PREFIX]layers.{i}.self_attn.q_proj.weight");
@@ -383,21 +382,25 @@ TEST_CASE("Files without the family's layers, or with two prefixes, are refused"
   for (const auto& [name, tensor] : checkpoint("bert_f32").tensors) {
     twice.tensors.emplace("roberta." + name.substr(5), tensor);
   }
-  CHECK(message_of<FileError>([&] { mha::io::load_bert_attention<float>(twice, 0, 4); }) ==
-        "BERT attention layers under more than one prefix: 'bert.', 'roberta.'");
+  CHECK(mha_test::message_of<FileError>([&] {
+          mha::io::load_bert_attention<float>(twice, 0, 4);
+        }) == "BERT attention layers under more than one prefix: 'bert.', 'roberta.'");
   // Look-alike names are not layers: a leading zero, or no '.' before the stem.
   SafetensorsFile odd;
-  odd.tensors["model.layers.01.self_attn.q_proj.weight"] = stored(Tensor<float>({8, 8}, 0.0f));
-  odd.tensors["modellayers.0.self_attn.q_proj.weight"] = stored(Tensor<float>({8, 8}, 0.0f));
-  CHECK(contains(message_of<FileError>([&] {
+  odd.tensors["model.layers.01.self_attn.q_proj.weight"] =
+      mha::io::from_tensor(Tensor<float>({8, 8}, 0.0f));
+  odd.tensors["modellayers.0.self_attn.q_proj.weight"] =
+      mha::io::from_tensor(Tensor<float>({8, 8}, 0.0f));
+  CHECK(contains(mha_test::message_of<FileError>([&] {
                    mha::io::load_llama_attention<float>(odd, 0, LlamaAttentionConfig(2));
                  }),
                  "no Llama attention layer in the file"));
   // From a path, messages name the file.
   const std::string missing = checkpoint_path("no_such_checkpoint");
-  CHECK(contains(message_of<FileError>([&] { mha::io::load_gpt2_attention<float>(missing, 0, 3); }),
-                 "no_such_checkpoint.safetensors"));
-  CHECK(message_of<FileError>([&] {
+  CHECK(contains(
+      mha_test::message_of<FileError>([&] { mha::io::load_gpt2_attention<float>(missing, 0, 3); }),
+      "no_such_checkpoint.safetensors"));
+  CHECK(mha_test::message_of<FileError>([&] {
           mha::io::load_bert_attention<float>(checkpoint_path("gpt2_f16"), 0, 3);
         }) == "safetensors file '" + checkpoint_path("gpt2_f16") +
                   "': no BERT attention layer in the file: no tensor named "
@@ -408,25 +411,32 @@ TEST_CASE("Bad arguments are refused: layer index, num_heads, num_kv_heads, head
           "[checkpoints]") {
   using mha::ShapeError;
   const SafetensorsFile bert = checkpoint("bert_f32");
-  CHECK(message_of<ShapeError>([&] { mha::io::load_bert_attention<float>(bert, 2, 4); }) ==
-        "layer: must be in [0, 2) for the 2 BERT attention layers of this file, got 2");
-  CHECK(message_of<ShapeError>([&] { mha::io::load_bert_attention<float>(bert, -1, 4); }) ==
-        "layer: must be in [0, 2) for the 2 BERT attention layers of this file, got -1");
-  CHECK(message_of<ShapeError>([&] { mha::io::load_bert_attention<float>(bert, 0, 3); }) ==
-        "num_heads: embed_dim 16 (from 'bert.encoder.layer.0.attention.self.query.weight') is "
-        "not divisible by num_heads 3");
-  CHECK(message_of<ShapeError>([&] { mha::io::load_bert_attention<float>(bert, 0, 0); }) ==
-        "num_heads: must be positive, got 0");
+  CHECK(mha_test::message_of<ShapeError>([&] {
+          mha::io::load_bert_attention<float>(bert, 2, 4);
+        }) == "layer: must be in [0, 2) for the 2 BERT attention layers of this file, got 2");
+  CHECK(mha_test::message_of<ShapeError>([&] {
+          mha::io::load_bert_attention<float>(bert, -1, 4);
+        }) == "layer: must be in [0, 2) for the 2 BERT attention layers of this file, got -1");
+  CHECK(
+      mha_test::message_of<ShapeError>([&] { mha::io::load_bert_attention<float>(bert, 0, 3); }) ==
+      "num_heads: embed_dim 16 (from 'bert.encoder.layer.0.attention.self.query.weight') is "
+      "not divisible by num_heads 3");
+  CHECK(mha_test::message_of<ShapeError>([&] {
+          mha::io::load_bert_attention<float>(bert, 0, 0);
+        }) == "num_heads: must be positive, got 0");
   const SafetensorsFile gpt2 = checkpoint("gpt2_f16");
-  CHECK(message_of<ShapeError>([&] { mha::io::load_gpt2_attention<double>(gpt2, 5, 3); }) ==
-        "layer: must be in [0, 2) for the 2 GPT-2 attention layers of this file, got 5");
-  CHECK(message_of<ShapeError>([&] { mha::io::load_gpt2_attention<double>(gpt2, 0, 5); }) ==
-        "num_heads: embed_dim 24 (from 'h.0.attn.c_attn.weight') is not divisible by "
-        "num_heads 5");
+  CHECK(mha_test::message_of<ShapeError>([&] {
+          mha::io::load_gpt2_attention<double>(gpt2, 5, 3);
+        }) == "layer: must be in [0, 2) for the 2 GPT-2 attention layers of this file, got 5");
+  CHECK(
+      mha_test::message_of<ShapeError>([&] { mha::io::load_gpt2_attention<double>(gpt2, 0, 5); }) ==
+      "num_heads: embed_dim 24 (from 'h.0.attn.c_attn.weight') is not divisible by "
+      "num_heads 5");
 
   const SafetensorsFile llama = checkpoint("llama_bf16");  // E = 32, H = 4, H_kv = 2, D = 8
   const auto llama_error = [&](const LlamaAttentionConfig& config) {
-    return message_of<ShapeError>([&] { mha::io::load_llama_attention<float>(llama, 1, config); });
+    return mha_test::message_of<ShapeError>(
+        [&] { mha::io::load_llama_attention<float>(llama, 1, config); });
   };
   CHECK(llama_error(LlamaAttentionConfig(3, 0, 1000.0)) ==
         "num_heads: the 32 rows (H·D) of 'model.layers.1.self_attn.q_proj.weight' are not "

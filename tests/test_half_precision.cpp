@@ -325,9 +325,12 @@ TEMPLATE_TEST_CASE("16-bit decoding with a 16-bit KV cache follows the full forw
   }
 }
 
-TEMPLATE_TEST_CASE("16-bit layers store half the bytes of float ones", "[half]", Eigen::half,
-                   Eigen::bfloat16) {
+// Half the bytes follows from the types (static_assert); what can go wrong at run time is a
+// 16-bit layer or cache holding more (or other) elements than the float one.
+TEMPLATE_TEST_CASE("16-bit layers and caches hold float's elements in 2 bytes each", "[half]",
+                   Eigen::half, Eigen::bfloat16) {
   using T16 = TestType;
+  static_assert(sizeof(T16) == 2);
   MultiHeadAttentionConfig config(64, 8);
   config.num_kv_heads = 4;
   MultiHeadAttention<T16> narrow(config);

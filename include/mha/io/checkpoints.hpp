@@ -247,13 +247,6 @@ inline void check_divides(Index embed_dim, Index num_heads, const std::string& s
 }
 
 template <class T>
-void check_scalar() {
-  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double> ||
-                    std::is_same_v<T, Eigen::half> || std::is_same_v<T, Eigen::bfloat16>,
-                "checkpoint loaders convert to float, double, Eigen::half or Eigen::bfloat16");
-}
-
-template <class T>
 LoadedAttention<T> finish(const MultiHeadAttentionConfig& config,
                           const std::map<std::string, Tensor<T>>& state, ForwardOptions<T> options,
                           const LayerReader& reader) {
@@ -282,7 +275,6 @@ auto with_path(const std::string& path, F&& load) {
 // weight, H = num_heads (config.json's num_attention_heads).
 template <class T>
 LoadedAttention<T> load_bert_attention(const SafetensorsFile& file, Index layer, Index num_heads) {
-  detail::check_scalar<T>();
   detail::check_num_heads(num_heads);
   const detail::LayerReader reader(
       file, {"BERT", "encoder.layer.", ".attention.self.query.weight", ".attention."}, layer);
@@ -311,7 +303,6 @@ LoadedAttention<T> load_bert_attention(const SafetensorsFile& file, Index layer,
 // GPT-2's attention layer `layer` (GPT2Attention): E from c_attn.weight, H = num_heads (n_head).
 template <class T>
 LoadedAttention<T> load_gpt2_attention(const SafetensorsFile& file, Index layer, Index num_heads) {
-  detail::check_scalar<T>();
   detail::check_num_heads(num_heads);
   const detail::LayerReader reader(file, {"GPT-2", "h.", ".attn.c_attn.weight", ".attn."}, layer);
   const Shape c_attn = reader.get_matrix("c_attn.weight", "[E, 3E]").shape;
@@ -351,7 +342,6 @@ LoadedAttention<T> load_gpt2_attention(const SafetensorsFile& file, Index layer,
 template <class T>
 LoadedAttention<T> load_llama_attention(const SafetensorsFile& file, Index layer,
                                         const LlamaAttentionConfig& config) {
-  detail::check_scalar<T>();
   const Index heads = config.num_heads;
   detail::check_num_heads(heads);
   if (config.num_kv_heads < 0) {

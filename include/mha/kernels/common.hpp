@@ -414,9 +414,11 @@ struct KernelScratch {
   // query block at once: logits, probabilities and mixed weights, each [H * rows, S'] (head h's
   // [rows, S'] block at rows h * rows).
   Matrix<T> head_logits, head_probs, head_weights;
-  // 16-bit storage (see compute_t): a block of cached keys and values, and a panel of a weight's
-  // rows, converted to T where the products read them.
-  Matrix<T> key_tile, value_tile, panel;
+  // 16-bit storage (see compute_t): a block of cached keys and values, converted to T where the
+  // products read them; and converted weight rows (gemm.hpp's product_transposed), a plain
+  // vector that only grows, since one forward converts weights of several shapes.
+  Matrix<T> key_tile, value_tile;
+  std::vector<T> weight_rows;
 };
 
 // One KernelScratch per thread that the next parallel region can have.

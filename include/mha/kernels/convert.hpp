@@ -1,11 +1,11 @@
 // Widening 16-bit floats (Eigen::half, Eigen::bfloat16) to float, n contiguous elements at a
 // time: how 16-bit layers read their weights, inputs and cached keys and values.
 //
-// Why not Eigen's cast<float>(): in Eigen 3.4 it converts one element at a time, at 22 GB/s of
-// half and 7.5 GB/s of bfloat16 from L2 on this project's machine (measured), which made a
-// 16-bit decoding step slower than a float one although it reads half the bytes. The
-// instructions below convert 16 elements at once (82 GB/s measured, from L2), so a conversion
-// streaming from memory is bound by memory. Both are exact: every 16-bit value is a float.
+// Why not Eigen's cast<float>(): in Eigen 3.4 it converts one element at a time (22 GB/s of half
+// and 7.5 GB/s of bfloat16 from L2 on this project's machine, against 82 GB/s for the code below,
+// timed by a throwaway program; see bench/RESULTS.md), which made a 16-bit decoding step slower
+// than a float one although it reads half the bytes. Both are exact: every 16-bit value is a
+// float.
 #pragma once
 
 #include <algorithm>
@@ -55,13 +55,6 @@ inline void widen(const Eigen::bfloat16* src, Index n, float* dst) {
   }
 #endif
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-// The same element type on both sides: a copy (float and double layers never call this on their
-// hot paths, but generic code may).
-template <class T>
-void widen(const T* src, Index n, T* dst) {
-  std::copy(src, src + n, dst);
 }
 
 // dst[i] = src[i] rounded to the 16-bit type, to nearest even (NaN stays NaN), for i < n: how a

@@ -83,6 +83,18 @@ void threaded_product(Dst&& dst, const Lhs& lhs, const Rhs& rhs, Accumulate accu
   }
 }
 
+// Rows first .. first + count - 1 of a 16-bit weight [N, K], widened into `scratch`'s
+// weight_rows, which grows to the largest request and then stays: repeated calls allocate
+// nothing.
+template <class T, class Stored>
+const T* converted_rows(KernelScratch<T>& scratch, const Eigen::Map<const Matrix<Stored>>& weight,
+                        Index first, Index count) {
+  const auto needed = static_cast<std::size_t>(count * weight.cols());
+  if (scratch.weight_rows.size() < needed) scratch.weight_rows.resize(needed);
+  widen(weight.data() + first * weight.cols(), count * weight.cols(), scratch.weight_rows.data());
+  return scratch.weight_rows.data();
+}
+
 // dst [M, N] = (or +=) lhs [M, K] * weightᵀ, weight [N, K] row-major as a layer stores it (x Wᵀ,
 // a projection). With weights stored in a 16-bit type, by the number of tokens M:
 //   M <= 16 (a decoding step): each weight row is widened in registers inside the dot products
@@ -130,21 +142,18 @@ void product_transposed(Dst&& dst, const Lhs& lhs, const Eigen::Map<const Matrix
       // At least as many tokens as weight rows: the float copy of the whole weight is no larger
       // than dst itself, and one threaded GEMM re-packs lhs once instead of once per panel
       // (measured at L = 2048, E = 512: 12 % slower than float with panels).
-      Matrix<T>& whole = scratch.front().panel;
-      whole.resize(weight.rows(), weight.cols());
-      widen(weight.data(), weight.size(), whole.data());
+      const Eigen::Map<const Matrix<T>> whole(
+          converted_rows(scratch.front(), weight, 0, weight.rows()), weight.rows(), weight.cols());
       threaded_product(dst, lhs, whole.transpose(), accumulate);
       return;
     }
-    const Index panel_rows = kPanelRows;
     MHA_OMP_PRAGMA(omp parallel if (max_threads() > 1 && work >= kMinParallelWork)) {
-      Matrix<T>& buffer = scratch[static_cast<std::size_t>(thread_index())].panel;
-      buffer.resize(panel_rows, weight.cols());  // allocates only when the shape changes
+      KernelScratch<T>& mine = scratch[static_cast<std::size_t>(thread_index())];
       MHA_OMP_PRAGMA(omp for schedule(static))
       for (Index p = 0; p < panels; ++p) {
-        const Index start = p * panel_rows, count = std::min(panel_rows, weight.rows() - start);
-        widen(weight.data() + start * weight.cols(), count * weight.cols(), buffer.data());
-        const auto panel = buffer.topRows(count);
+        const Index start = p * kPanelRows, count = std::min(kPanelRows, weight.rows() - start);
+        const Eigen::Map<const Matrix<T>> panel(converted_rows(mine, weight, start, count), count,
+                                                weight.cols());
         auto dst_panel = dst.middleCols(start, count);
         if (small) {  // a few tokens: dot products, as threaded_product
           if (accumulate == Accumulate::yes) {
