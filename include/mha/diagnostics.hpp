@@ -10,7 +10,7 @@
 //   head_entropy, head_entropy_normalised, head_gradient_norms   -> [H]
 //   head_similarity                                               -> [H, H]
 //   head_reports, uniform_heads                                   -> one entry per head / indices
-//   all_finite, check_finite                                      any tensor
+//   all_finite, check_finite (finite.hpp)                         any tensor
 //   head_gradient_norms and non_finite_parameters read a ParameterList (parameters.hpp).
 //   HeadImportance accumulates the head gates' gradients (InputGradients::head_gate) -> [H].
 //
@@ -27,18 +27,12 @@
 #include <vector>
 
 #include "mha/errors.hpp"
+#include "mha/finite.hpp"
 #include "mha/heads.hpp"
 #include "mha/parameters.hpp"
 #include "mha/tensor.hpp"
 
 namespace mha {
-
-// A NaN or Inf where finite numbers are required; a std::domain_error, since the shapes are fine
-// and the values are not.
-class NonFiniteError : public std::domain_error {
- public:
-  explicit NonFiniteError(const std::string& what) : std::domain_error(what) {}
-};
 
 // The normalised entropy from which a head counts as uniform. For softmax rows whose scores vary
 // little, KL(p || uniform) ≈ Var(scores) / 2, so the normalised entropy is about
@@ -117,17 +111,6 @@ inline void check_threshold(double threshold) {
     value << threshold;
     throw_argument("threshold", "must be in (0, 1], got " + value.str());
   }
-}
-
-// The multi-index of a row-major flat index, for messages.
-inline Shape unravel_index(Index flat, const Shape& shape) {
-  Shape index(shape.size(), 0);
-  for (std::size_t a = shape.size(); a-- > 0;) {
-    if (shape[a] == 0) continue;
-    index[a] = flat % shape[a];
-    flat /= shape[a];
-  }
-  return index;
 }
 
 // The parameters of a MultiHeadAttention layer that are split by head, under their PyTorch names.
@@ -449,27 +432,6 @@ Tensor<T> head_gradient_norms(const ParameterList<T>& parameters, Index num_head
   return detail::to_head_tensor<T>(squares.cwiseSqrt());
 }
 
-// True when no element is NaN or ±Inf.
-template <class T>
-bool all_finite(TensorView<const T> x) {
-  return Eigen::Map<const Vector<T>>(x.data(), x.size()).allFinite();
-}
-
-// Throws NonFiniteError naming the tensor, the first NaN/Inf's index and value, and how many
-// there are, e.g. "in_proj_weight.grad: non-finite value nan at [3, 1] (2 of 24 elements)".
-template <class T>
-void check_finite(TensorView<const T> x, const std::string& name) {
-  if (all_finite(x)) return;
-  const T* begin = x.data();
-  const T* bad = std::find_if(begin, begin + x.size(), [](T v) { return !std::isfinite(v); });
-  const auto values = Eigen::Map<const Vector<T>>(begin, x.size()).array();
-  std::ostringstream message;
-  message << name << ": non-finite value " << *bad << " at "
-          << detail::format_shape(detail::unravel_index(bad - begin, x.shape())) << " ("
-          << (!values.isFinite()).count() << " of " << x.size() << " elements)";
-  throw NonFiniteError(message.str());
-}
-
 // The parameters whose value or gradient holds a NaN or Inf, in list order: "name" for the
 // value, "name.grad" for the gradient.
 template <class T>
@@ -529,22 +491,6 @@ template <class T>
 std::vector<Index> uniform_heads(const Tensor<T>& weights,
                                  double threshold = kUniformAttentionThreshold) {
   return uniform_heads(weights.view(), threshold);
-}
-template <class T>
-bool all_finite(TensorView<T> x) {
-  return all_finite(TensorView<const T>(x));
-}
-template <class T>
-bool all_finite(const Tensor<T>& x) {
-  return all_finite(x.view());
-}
-template <class T>
-void check_finite(TensorView<T> x, const std::string& name) {
-  check_finite(TensorView<const T>(x), name);
-}
-template <class T>
-void check_finite(const Tensor<T>& x, const std::string& name) {
-  check_finite(x.view(), name);
 }
 
 }  // namespace mha

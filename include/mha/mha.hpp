@@ -9,6 +9,7 @@
 #include "mha/attention.hpp"
 #include "mha/diagnostics.hpp"
 #include "mha/errors.hpp"
+#include "mha/finite.hpp"
 #include "mha/heads.hpp"
 #include "mha/heatmap.hpp"
 #include "mha/init.hpp"

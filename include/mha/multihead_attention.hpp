@@ -37,9 +37,20 @@
 // adds the parameters' into the layer's own gradient tensors, reachable by PyTorch name
 // (gradient(name), parameters()) until zero_grad.
 //
-// A layer may be shared by threads for concurrent forward calls: forward is const and keeps no
-// state between calls. forward_train, backward and anything that changes parameters or
-// gradients are not: one thread at a time.
+// Threads. What may be shared by threads calling at the same time:
+//   - a MultiHeadAttention, for its const members: forward, decode (each with its own cache),
+//     state_dict, parameter(name) const. They keep no state between calls (tests/test_threads.cpp
+//     runs them concurrently under ThreadSanitizer).
+//   - ForwardOptions, and the input tensors, which these calls only read.
+// What belongs to one thread at a time:
+//   - a Workspace, a ForwardResult written into, a KVCache, a SavedForward;
+//   - the layer itself during forward_train, backward, zero_grad, set_parameter,
+//     load_state_dict, prune_heads and an optimiser's step, which change it: no other call on
+//     the layer may run meanwhile.
+//
+// Failures. Every check runs before anything changes: a forward, decode, forward_train or
+// load_state_dict that throws leaves the layer, its Workspace and a KVCache as they were (a
+// SavedForward is left empty). NaN and Inf inputs: see ForwardOptions::check_inputs.
 #pragma once
 
 #include <algorithm>
@@ -52,6 +63,7 @@
 #include <vector>
 
 #include "mha/attention.hpp"
+#include "mha/finite.hpp"
 #include "mha/init.hpp"
 #include "mha/kernels/gemm.hpp"
 #include "mha/kv_cache.hpp"
@@ -160,6 +172,14 @@ struct ForwardOptions {
   std::vector<Compute> head_gate;
   // Which kernel computes the heads; automatic picks flash unless weights are requested.
   Kernel kernel = Kernel::automatic;
+  // Refuse NaN and Inf in the inputs (query, key, value; decode's x) and NaN and +inf in additive
+  // masks, with a NonFiniteError naming the tensor and the first bad element, before anything is
+  // computed. It reads every input element once, which costs little beside the projections. Off,
+  // as in PyTorch: a NaN or Inf then spreads only within its batch element. In query row i it
+  // reaches output row i; in key or value row j, every output row of that batch element,
+  // including rows that mask key j (a masked score is the score plus -inf, and its weight 0 times
+  // a NaN value is NaN). Other batch elements' outputs are unchanged, bit for bit.
+  bool check_inputs = false;
 };
 
 template <class T>
@@ -911,6 +931,22 @@ class MultiHeadAttention {
     }
   }
 
+  // ForwardOptions::check_inputs: the inputs finite, additive masks free of NaN and +inf. In
+  // self-attention the three are one tensor, which is then named query.
+  static void check_input_values(const TensorView<const T>& query, const TensorView<const T>& key,
+                                 const TensorView<const T>& value,
+                                 const ForwardOptions<T>& options) {
+    check_finite(query, "query");
+    check_finite(key, "key");
+    check_finite(value, "value");
+    if (options.attn_mask.kind() == MaskKind::additive) {
+      check_additive_mask(options.attn_mask.values().view(), "attn_mask");
+    }
+    if (options.key_padding_mask.kind() == MaskKind::additive) {
+      check_additive_mask(options.key_padding_mask.values().view(), "key_padding_mask");
+    }
+  }
+
   // decode's checks, before anything changes; returns n.
   Index check_decode(const TensorView<const T>& x, const KVCache<T>& cache,
                      const ForwardOptions<T>& options, const std::vector<Index>& new_tokens) const {
@@ -985,6 +1021,15 @@ class MultiHeadAttention {
                              "global tokens and block layouts are over absolute positions, which "
                              "a sliding-window cache drops: use a cache that keeps every token");
     }
+    // Here rather than where each sequence's keys are known: a layout too small for a later
+    // sequence must throw before earlier sequences have advanced.
+    for (Index b = 0; b < batch && options.pattern.active(); ++b) {
+      const Index count = new_tokens.empty() ? steps : new_tokens[static_cast<std::size_t>(b)];
+      if (count == 0) continue;
+      detail::checked_pattern(options.pattern, config_.num_heads, count, cache.length(b) + count,
+                              Alignment::bottom_right);
+    }
+    if (options.check_inputs) check_finite(x, "x");
     return steps;
   }
 
@@ -1013,6 +1058,7 @@ class MultiHeadAttention {
     };
     detail::check_shape("key", input_shape(detail::kAnyDim, config_.kdim), key.shape());
     detail::check_shape("value", input_shape(plan.key_len, config_.vdim), value.shape());
+    if (options.check_inputs) check_input_values(query, key, value, options);
     // S' keys: the inputs', then bias_k, then the zero key.
     plan.total_keys =
         plan.key_len + (config_.add_bias_kv ? 1 : 0) + (config_.add_zero_attn ? 1 : 0);

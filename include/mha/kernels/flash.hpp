@@ -188,10 +188,11 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
       };
       for_each_key_block(options, h, key_len, query_len, i0, i0 + rows - 1, blocks.key, process);
 
-      // One division per row at the end; a row with no visible key stays 0.
+      // One division per row at the end; a row with no visible key stays 0. A NaN sum (from a
+      // NaN score) divides, so that the NaN reaches the output as the reference kernel's does.
       for (Index r = 0; r < rows; ++r) {
         auto out_row = out_bh.row(i0 + r);
-        if (row_sum(r) > T(0)) {
+        if (row_sum(r) != T(0)) {
           out_row.noalias() = acc_blk.row(r) / row_sum(r);
         } else {
           out_row.setZero();
@@ -200,7 +201,7 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
       if (logsumexp != nullptr) {
         T* lse = logsumexp + (b * heads + h) * query_len + i0;
         for (Index r = 0; r < rows; ++r) {
-          lse[r] = row_sum(r) > T(0) ? row_max(r) + std::log(row_sum(r)) : kNegInf;
+          lse[r] = row_sum(r) != T(0) ? row_max(r) + std::log(row_sum(r)) : kNegInf;
         }
       }
     }
