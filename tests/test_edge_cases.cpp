@@ -313,6 +313,15 @@ TEST_CASE("NaN and Inf inputs spread only within their batch element, as documen
         for (Index i = 0; i < length; ++i) {
           CHECK_FALSE(row_finite(from_value.output, bad_batch, i));
         }
+        if (masked) continue;
+        // A row that sees only the bad key: its scores are NaN and -inf, which must not read
+        // as a fully masked row (whose output would be the finite output bias).
+        auto only_bad_key = options;
+        Tensor<bool> blocked({length, keys});
+        for (Index i = 0; i < blocked.size(); ++i) blocked.data()[i] = i % keys != bad_key_row;
+        only_bad_key.attn_mask = Mask<float>::blocked_where_true(blocked);
+        const auto lone = layer.forward(query.view(), bad_key.view(), value.view(), only_bad_key);
+        for (Index i = 0; i < length; ++i) CHECK_FALSE(row_finite(lone.output, bad_batch, i));
       }
     }
   }

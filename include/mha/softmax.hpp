@@ -45,7 +45,9 @@ void softmax_rows_inplace(const Eigen::MatrixBase<Derived>& scores_expression,
   if (scratch.size() < scores.cols()) scratch.resize(scores.cols());
   for (Index r = 0; r < scores.rows(); ++r) {
     auto row = scores.row(r);
-    const T row_max = row.maxCoeff();
+    // PropagateNaN: a row of NaN and -inf scores must not read as fully blocked (and give 0);
+    // Eigen's default maximum may skip a NaN, depending on where it falls in a packet.
+    const T row_max = row.template maxCoeff<Eigen::PropagateNaN>();
     if (row_max == -std::numeric_limits<T>::infinity()) {
       row.setZero();
       continue;

@@ -163,7 +163,8 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
         // pass 2: online softmax, one row at a time
         for (Index r = 0; r < rows; ++r) {
           auto score_row = s.row(r);
-          const T block_max = score_row.maxCoeff();
+          // PropagateNaN, as in softmax_rows_inplace: NaN among -inf is not an empty block.
+          const T block_max = score_row.template maxCoeff<Eigen::PropagateNaN>();
           if (block_max == kNegInf) {  // nothing visible in this block for this row
             score_row.setZero();
             continue;
