@@ -9,6 +9,8 @@
 // bias), or the same computation without the edge (a finite -1e30 for -inf).
 #include <cmath>
 #include <limits>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "helpers.hpp"
@@ -604,4 +606,20 @@ TEST_CASE("empty sequences train: backward gives gradients of the inputs' shapes
       }
     }
   }
+}
+
+TEST_CASE("sizes no layer can have are refused before anything is allocated", "[edge]") {
+  // From the fuzzers: an empty out_proj.weight [E, 0] let a file of a few hundred bytes ask for
+  // any E, which the layer allocated ([3E, E]) before load_state_dict compared shapes.
+  std::map<std::string, Tensor<float>> state;
+  state["out_proj.weight"] = Tensor<float>({Index{1} << 20, 0});
+  state["in_proj_weight"] = Tensor<float>({6, 2});
+  CHECK(mha_test::message_of<mha::ShapeError>([&] {
+          MultiHeadAttention<float>::from_state_dict(state, 1);
+        }) == "out_proj.weight: expected a tensor with at least one element, got [1048576, 0]");
+  // A shape whose element count overflows Index.
+  CHECK(mha_test::contains(mha_test::message_of<mha::ShapeError>([&] {
+                             Tensor<float>({Index{1} << 40, Index{1} << 40});
+                           }),
+                           "tensor shape [1099511627776, 1099511627776] has more elements than"));
 }

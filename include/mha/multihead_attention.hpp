@@ -321,6 +321,15 @@ class MultiHeadAttention {
   // are not in a state_dict.
   static MultiHeadAttention from_state_dict(const std::map<std::string, Tensor<T>>& state,
                                             Index num_heads, bool add_zero_attn = false) {
+    // Every parameter of a layer has elements. An empty one would let its other dimensions be
+    // anything: out_proj.weight [2^20, 0] would make the layer below allocate terabytes for a
+    // file of a few hundred bytes before load_state_dict could compare shapes.
+    for (const auto& entry : state) {
+      if (entry.second.size() == 0) {
+        detail::throw_shape(entry.first, "a tensor with at least one element",
+                            entry.second.shape());
+      }
+    }
     const auto out_weight = state.find("out_proj.weight");
     if (out_weight == state.end()) {
       detail::throw_argument("state_dict", "missing tensor 'out_proj.weight'");
@@ -605,10 +614,10 @@ class MultiHeadAttention {
       saved.grad_qkv_.resize(rows, inner + 2 * kv_dim());
       q_data = forward.qkv.data();
       grad_q_data = saved.grad_qkv_.data();
-      k_data = q_data + bias_offset(1);
-      v_data = q_data + bias_offset(2);
-      grad_k_data = grad_q_data + bias_offset(1);
-      grad_v_data = grad_q_data + bias_offset(2);
+      k_data = detail::offset_pointer(q_data, bias_offset(1));
+      v_data = detail::offset_pointer(q_data, bias_offset(2));
+      grad_k_data = detail::offset_pointer(grad_q_data, bias_offset(1));
+      grad_v_data = detail::offset_pointer(grad_q_data, bias_offset(2));
       q_stride = kv_stride = inner + 2 * kv_dim();
     } else {
       saved.grad_q_.resize(rows, inner);
@@ -926,6 +935,9 @@ class MultiHeadAttention {
 
   // Head h's columns of the heads' outputs [rows, H·D] times gate[h] (nothing for no gate).
   void scale_heads(Matrix<Compute>& heads_output, const std::vector<Compute>& gate) const {
+    // No rows (L = 0, or a decoding step of no tokens): the data pointer is null, and Eigen's
+    // middleCols would offset it, which is undefined.
+    if (heads_output.rows() == 0) return;
     for (std::size_t h = 0; h < gate.size(); ++h) {
       heads_output.middleCols(static_cast<Index>(h) * head_dim(), head_dim()) *= gate[h];
     }
@@ -1158,8 +1170,8 @@ class MultiHeadAttention {
         qkv.rowwise() += params_.in_proj_bias.flat().transpose().template cast<Compute>();
       }
       q_data = qkv.data();
-      k_data = q_data + bias_offset(1);
-      v_data = q_data + bias_offset(2);
+      k_data = detail::offset_pointer(q_data, bias_offset(1));
+      v_data = detail::offset_pointer(q_data, bias_offset(2));
       q_stride = kv_stride = inner + 2 * kv_dim();
     } else {
       // q [B*L, E]; k, v [B*S', E] with the extra rows after each batch's S projected rows.

@@ -17,6 +17,7 @@
 #include <Eigen/Core>
 #include <cstring>
 #include <initializer_list>
+#include <limits>
 #include <numeric>
 #include <string>
 #include <type_traits>
@@ -71,6 +72,10 @@ inline Index shape_size(const Shape& shape) {
   Index n = 1;
   for (Index d : shape) {
     if (d < 0) throw ShapeError("tensor shape " + format_shape(shape) + " has a negative size");
+    if (d > 0 && n > std::numeric_limits<Index>::max() / d) {
+      throw ShapeError("tensor shape " + format_shape(shape) + " has more elements than " +
+                       std::to_string(std::numeric_limits<Index>::max()));
+    }
     n *= d;
   }
   return n;

@@ -1,0 +1,390 @@
+// Fuzz target: MultiHeadAttention::forward with shapes, options and masks decoded from the bytes,
+// for float, Eigen::half and Eigen::bfloat16 layers, on random finite parameters and inputs.
+// Properties, for every call the library accepts:
+//   - no crash, and no exception but mha::ShapeError (the library's refusal of a bad combination);
+//   - finite output and weights (a row whose keys are all blocked gives 0, never NaN);
+//   - per-head weights: each row sums to 1, or is all 0 where every key is blocked;
+//   - the reference kernel without weights, and the flash kernel, agree with the reference kernel
+//     with weights, within the tolerance of kernels_agree below;
+//   - a call refused with weights is refused without them, and the flash kernel refuses what
+//     the reference kernel refuses.
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "fuzz_support.hpp"
+#include "mha/multihead_attention.hpp"
+
+namespace {
+
+using mha::Index;
+using mha::Shape;
+using mha::Tensor;
+using mha_fuzz::violation;
+
+// Reads the fuzz input as a stream of choices; past its end every choice is the smallest, so a
+// short input is a small, plain case.
+class Choices {
+ public:
+  Choices(const std::uint8_t* data, std::size_t size) : data_(data), size_(size) {}
+
+  std::uint8_t byte() { return position_ < size_ ? data_[position_++] : 0; }
+  bool flag() { return (byte() & 1) != 0; }
+  // Uniform enough in [low, high] for a fuzzer, which steers the bytes anyway.
+  Index in(Index low, Index high) {
+    return low + static_cast<Index>(byte() % static_cast<unsigned>(high - low + 1));
+  }
+  std::uint64_t seed() {
+    std::uint64_t value = 0;
+    for (int i = 0; i < 4; ++i) value = (value << 8) | byte();
+    return value;
+  }
+
+ private:
+  const std::uint8_t* data_;
+  std::size_t size_;
+  std::size_t position_ = 0;
+};
+
+struct Case {
+  Index batch = 1, query_len = 1, key_len = 1, heads = 1, kv_heads = 1, head_dim = 1;
+  Index embed = 1, kdim = 0, vdim = 0;
+  bool batched = true, decoupled_head_dim = false, self_attention = false;
+  bool bias = true, add_bias_kv = false, add_zero_attn = false;
+  std::uint64_t seed = 0;
+};
+
+Case decode_case(Choices& choices) {
+  Case c;
+  c.batched = choices.in(0, 3) != 0;
+  c.batch = c.batched ? choices.in(1, 3) : 1;
+  c.query_len = choices.in(0, 9);
+  c.key_len = choices.in(0, 9);
+  c.heads = choices.in(1, 4);
+  // H_kv: a divisor of H (grouped-query, multi-query at 1), or occasionally one that is not.
+  const Index kv_pick = choices.in(0, 7);
+  std::vector<Index> divisors;
+  for (Index d = 1; d <= c.heads; ++d) {
+    if (c.heads % d == 0) divisors.push_back(d);
+  }
+  c.kv_heads = kv_pick == 7 ? 3 : divisors[static_cast<std::size_t>(kv_pick) % divisors.size()];
+  c.head_dim = choices.in(1, 4);
+  c.decoupled_head_dim = choices.in(0, 5) == 0;
+  c.embed = c.decoupled_head_dim ? choices.in(1, 8) : c.heads * c.head_dim;
+  c.kdim = choices.in(0, 3) == 0 ? choices.in(1, 6) : 0;
+  c.vdim = choices.in(0, 3) == 0 ? choices.in(1, 6) : 0;
+  c.self_attention = choices.in(0, 2) == 0;
+  c.bias = choices.in(0, 3) != 0;
+  c.add_bias_kv = choices.in(0, 3) == 0;
+  c.add_zero_attn = choices.in(0, 3) == 0;
+  c.seed = choices.seed();
+  return c;
+}
+
+// Scores blocked by -inf in float masks, to reach fully blocked rows; other entries are moderate.
+template <class C>
+C mask_value(Choices& choices, mha::Random& random) {
+  if (choices.in(0, 3) == 0) return -std::numeric_limits<C>::infinity();
+  return static_cast<C>(random.uniform(-3.0, 3.0));
+}
+
+// A boolean, float or absent mask of `shape`; the fuzz input picks the kind and the blocked
+// entries, the generator the float values.
+template <class C>
+mha::Mask<C> decode_mask(Choices& choices, mha::Random& random, const Shape& shape) {
+  const Index kind = choices.in(0, 3);
+  if (kind == 0) return {};
+  const Index size = mha::detail::shape_size(shape);
+  if (kind == 3) {
+    Tensor<C> values(shape);
+    for (Index i = 0; i < size; ++i) values.data()[i] = mask_value<C>(choices, random);
+    return mha::Mask<C>::additive(std::move(values));
+  }
+  Tensor<bool> bools(shape);
+  for (Index i = 0; i < size; ++i) bools.data()[i] = choices.in(0, 3) == 0;
+  return kind == 1 ? mha::Mask<C>::blocked_where_true(std::move(bools))
+                   : mha::Mask<C>::allowed_where_true(std::move(bools));
+}
+
+mha::SparsePattern decode_pattern(Choices& choices, const Case& c, mha::Alignment alignment) {
+  mha::SparsePattern pattern;
+  pattern.alignment = alignment;
+  if (choices.in(0, 3) != 0) return pattern;
+  const Index positions = std::max(c.query_len, c.key_len);
+  for (Index p = 0; p < positions; ++p) {
+    if (choices.in(0, 5) == 0) pattern.global_tokens.push_back(p);
+  }
+  if (choices.flag()) {
+    pattern.block_size = choices.in(1, 4);
+    // Enough blocks for the positions, or (sometimes) one row or column short: refused.
+    const Index last = alignment == mha::Alignment::bottom_right ? c.key_len - 1 : c.query_len - 1;
+    const auto margin = [&] { return choices.in(0, 7) == 0 ? Index{-1} : choices.in(0, 1); };
+    const Index rows = std::max<Index>(last / pattern.block_size + 1, 1) + margin();
+    const Index cols = (c.key_len + pattern.block_size - 1) / pattern.block_size + margin();
+    const Shape shape = choices.flag()
+                            ? Shape{std::max<Index>(rows, 0), std::max<Index>(cols, 0)}
+                            : Shape{c.heads, std::max<Index>(rows, 0), std::max<Index>(cols, 0)};
+    pattern.block_layout = Tensor<bool>(shape);
+    for (Index i = 0; i < pattern.block_layout.size(); ++i) {
+      pattern.block_layout.data()[i] = choices.in(0, 2) != 0;
+    }
+  }
+  return pattern;
+}
+
+template <class T>
+mha::ForwardOptions<T> decode_options(Choices& choices, mha::Random& random, const Case& c) {
+  using C = typename mha::ForwardOptions<T>::Compute;
+  mha::ForwardOptions<T> options;
+  const Index stacked = c.batched ? c.batch * c.heads : c.heads;
+  const Shape padding_shape = c.batched ? Shape{c.batch, c.key_len} : Shape{c.key_len};
+  options.key_padding_mask = decode_mask<C>(choices, random, padding_shape);
+  options.attn_mask = decode_mask<C>(
+      choices, random,
+      choices.flag() ? Shape{c.query_len, c.key_len} : Shape{stacked, c.query_len, c.key_len});
+  options.is_causal = choices.flag();
+  options.causal_alignment =
+      choices.flag() ? mha::Alignment::bottom_right : mha::Alignment::top_left;
+  if (choices.in(0, 2) == 0) {
+    options.window.left = choices.in(-1, 5);
+    options.window.right = choices.in(-1, 5);
+    options.window.dilation = choices.in(0, 7) == 0 ? 0 : choices.in(1, 3);  // 0 is refused
+    options.window.alignment = options.causal_alignment;
+  }
+  options.pattern = decode_pattern(choices, c, options.causal_alignment);
+  switch (choices.in(0, 3)) {
+    case 1:
+      options.alibi_slopes = mha::alibi_slopes<C>(c.heads);
+      break;
+    case 2:
+      for (Index h = 0; h < c.heads; ++h) {
+        options.alibi_slopes.push_back(static_cast<C>(random.uniform(0.0, 1.0)));
+      }
+      break;
+    default:
+      break;
+  }
+  if (choices.in(0, 3) == 0) options.softcap = static_cast<C>(choices.in(1, 50));
+  if (choices.in(0, 2) == 0) {
+    mha::Rope rope;
+    rope.base = choices.flag() ? 10000.0 : 1.5;
+    rope.layout = choices.flag() ? mha::RopeLayout::interleaved : mha::RopeLayout::rotate_half;
+    // Even, up to 4 (above D: refused), or sometimes odd (refused).
+    rope.rotary_dim = choices.in(0, 7) == 0 ? 3 : 2 * choices.in(0, 2);
+    rope.position_offset = choices.in(0, 5);
+    options.rope = rope;
+  }
+  if (choices.in(0, 3) == 0) {
+    for (Index h = 0; h < c.heads; ++h) {
+      options.head_gate.push_back(choices.in(0, 3) == 0 ? C(0)
+                                                        : static_cast<C>(random.uniform(-2, 2)));
+    }
+  }
+  options.average_attn_weights = choices.flag();
+  return options;
+}
+
+template <class T>
+Tensor<T> random_input(const Shape& shape, mha::Random& random) {
+  Tensor<T> tensor(shape);
+  for (Index i = 0; i < tensor.size(); ++i) {
+    tensor.data()[i] = static_cast<T>(random.uniform(-4.0, 4.0));
+  }
+  return tensor;
+}
+
+template <class T>
+void check_finite(const Tensor<T>& tensor, const char* what) {
+  for (Index i = 0; i < tensor.size(); ++i) {
+    if (!std::isfinite(static_cast<double>(tensor.data()[i]))) {
+      violation(std::string(what) + " element " + std::to_string(i) + " is " +
+                std::to_string(static_cast<double>(tensor.data()[i])) + " from finite input");
+    }
+  }
+}
+
+// Per-head weights [.., H, L, S']: every row sums to 1, or is all 0 (every key blocked). The
+// tolerance is twice the bound on the rounding: at most S' = 11 float additions (1e-6), or each
+// weight rounded to 16 bits with a relative error of at most 2^-11 (half) or 2^-8 (bfloat16), so
+// the sum by at most that.
+template <class T>
+void check_weight_rows(const Tensor<T>& weights) {
+  const double tolerance = std::is_same_v<T, Eigen::half>       ? 2 * 0x1p-11
+                           : std::is_same_v<T, Eigen::bfloat16> ? 2 * 0x1p-8
+                                                                : 2e-6;
+  const Index columns = weights.shape().back();
+  if (columns == 0) return;
+  for (Index row = 0; row < weights.size() / columns; ++row) {
+    double sum = 0, magnitude = 0;
+    for (Index j = 0; j < columns; ++j) {
+      const double w = static_cast<double>(weights.data()[row * columns + j]);
+      if (w < 0) violation("a weight is negative: " + std::to_string(w));
+      sum += w;
+      magnitude = std::max(magnitude, w);
+    }
+    if (magnitude != 0 && std::fabs(sum - 1) > tolerance) {
+      violation("a weight row sums to " + std::to_string(sum) + " (row " + std::to_string(row) +
+                ")");
+    }
+  }
+}
+
+// How far two kernels' results may be apart: max |a - b| <= tolerance * max(max |reference|, 1).
+// float: both kernels compute the same sums in another order (the flash kernel's online softmax
+// rescales as it goes) over at most S' = 11 keys, D <= 4 features and E <= 16 columns, each step
+// rounding by at most 2^-24 relative; 1e-5 (the repo's float tolerance) leaves a margin of ~10
+// over that, relative to the largest magnitude rather than elementwise (an element near 0 is the
+// difference of larger terms). The floor of 1 covers outputs that are all tiny.
+// 16-bit: both kernels compute in float and round each result to 16 bits once, so the results
+// may differ by one unit in the last place (2^-10 for half, 2^-7 for bfloat16) of the largest
+// element's binade, as test_half_precision checks; two units for margin, as a float difference
+// of 1e-6 can round different ways at two neighbouring elements' boundaries (it cannot at one
+// element by more than one unit).
+template <class T>
+double kernel_tolerance() {
+  if constexpr (std::is_same_v<T, Eigen::half>) return 2 * 0x1p-10;
+  if constexpr (std::is_same_v<T, Eigen::bfloat16>) return 2 * 0x1p-7;
+  return 1e-5;
+}
+
+template <class T>
+void kernels_agree(const Tensor<T>& reference, const Tensor<T>& other, const char* what) {
+  if (reference.shape() != other.shape()) {
+    violation(std::string(what) + ": shape " + mha::to_string(other.shape()) +
+              ", the reference kernel's is " + mha::to_string(reference.shape()));
+  }
+  double scale = 1, difference = 0;
+  Index worst = 0;
+  for (Index i = 0; i < reference.size(); ++i) {
+    const double r = static_cast<double>(reference.data()[i]);
+    const double d = std::fabs(r - static_cast<double>(other.data()[i]));
+    scale = std::max(scale, std::fabs(r));
+    if (d > difference) {
+      difference = d;
+      worst = i;
+    }
+  }
+  if (!(difference <= kernel_tolerance<T>() * scale)) {
+    violation(std::string(what) + " differs from the reference kernel's by " +
+              std::to_string(difference) + " at element " + std::to_string(worst) + " (scale " +
+              std::to_string(scale) + ")");
+  }
+}
+
+// Runs forward, returning nothing when the library refuses the call.
+template <class T>
+std::optional<mha::ForwardResult<T>> try_forward(const mha::MultiHeadAttention<T>& layer,
+                                                 const Tensor<T>& query, const Tensor<T>& key,
+                                                 const Tensor<T>& value,
+                                                 const mha::ForwardOptions<T>& options) {
+  try {
+    return layer.forward(query.view(), key.view(), value.view(), options);
+  } catch (const mha::ShapeError&) {
+    return std::nullopt;
+  }
+}
+
+mha_fuzz::Tally tally("fuzz_forward",
+                      {"layer refused (ShapeError)", "call refused by every kernel (ShapeError)",
+                       "ran and compared"});
+
+template <class T>
+void run_case(const Case& c, Choices& choices) {
+  mha::MultiHeadAttentionConfig config(c.embed, c.heads);
+  config.num_kv_heads = c.kv_heads;
+  config.head_dim = c.decoupled_head_dim ? c.head_dim : 0;
+  config.kdim = c.kdim;
+  config.vdim = c.vdim;
+  config.bias = c.bias;
+  config.add_bias_kv = c.add_bias_kv;
+  config.add_zero_attn = c.add_zero_attn;
+  config.seed = c.seed;
+  std::optional<mha::MultiHeadAttention<float>> wide;
+  try {
+    wide.emplace(config);
+  } catch (const mha::ShapeError&) {
+    tally.count(0);
+    return;
+  }
+  // Parameters of normal(0, 0.5), biases included, as the repo's tests randomise them: logits
+  // of a few units, a sharp softmax but no overflow.
+  mha::Random random(c.seed);
+  for (const std::string& name : wide->parameter_names()) {
+    Tensor<float> values(wide->parameter(name).shape());
+    for (Index i = 0; i < values.size(); ++i) {
+      values.data()[i] = static_cast<float>(0.5 * random.normal());
+    }
+    wide->set_parameter(name, values.view());
+  }
+  const mha::MultiHeadAttention<float>& source = *wide;
+  mha::MultiHeadAttention<T> layer(config);
+  for (const std::string& name : layer.parameter_names()) {
+    layer.set_parameter(name, mha::tensor_cast<T>(source.parameter(name)).view());
+  }
+
+  const Index kdim = c.kdim == 0 ? c.embed : c.kdim, vdim = c.vdim == 0 ? c.embed : c.vdim;
+  const auto input_shape = [&](Index length, Index width) {
+    return c.batched ? Shape{c.batch, length, width} : Shape{length, width};
+  };
+  const Tensor<T> query = random_input<T>(input_shape(c.query_len, c.embed), random);
+  // Self-attention passes one tensor three times (the fused projection), when the shapes allow.
+  const bool self =
+      c.self_attention && c.query_len == c.key_len && kdim == c.embed && vdim == c.embed;
+  const Tensor<T> key = self ? query : random_input<T>(input_shape(c.key_len, kdim), random);
+  const Tensor<T> value = self ? query : random_input<T>(input_shape(c.key_len, vdim), random);
+  const Tensor<T>& key_input = self ? query : key;
+  const Tensor<T>& value_input = self ? query : value;
+
+  mha::ForwardOptions<T> options = decode_options<T>(choices, random, c);
+  options.need_weights = true;
+  options.kernel = mha::Kernel::reference;
+  const auto with_weights = try_forward(layer, query, key_input, value_input, options);
+  options.need_weights = false;
+  const auto without_weights = try_forward(layer, query, key_input, value_input, options);
+  options.kernel = mha::Kernel::flash;
+  const auto flash = try_forward(layer, query, key_input, value_input, options);
+  if (with_weights.has_value() != without_weights.has_value() ||
+      with_weights.has_value() != flash.has_value()) {
+    violation(std::string("refused inconsistently: reference with weights ") +
+              (with_weights ? "ran" : "refused") + ", without " +
+              (without_weights ? "ran" : "refused") + ", flash " + (flash ? "ran" : "refused"));
+  }
+  if (!with_weights) {
+    tally.count(1);
+    return;
+  }
+  tally.count(2);
+
+  check_finite(with_weights->output, "output");
+  check_finite(with_weights->attn_weights, "attn_weights");
+  if (!options.average_attn_weights && options.head_gate.empty()) {
+    check_weight_rows(with_weights->attn_weights);
+  }
+  kernels_agree(with_weights->output, without_weights->output, "reference output without weights");
+  kernels_agree(with_weights->output, flash->output, "flash output");
+  if (!without_weights->attn_weights.is_null() || !flash->attn_weights.is_null()) {
+    violation("weights returned without need_weights");
+  }
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  Choices choices(data, size);
+  const Index type = choices.in(0, 3);
+  const Case c = decode_case(choices);
+  if (type == 2) {
+    run_case<Eigen::half>(c, choices);
+  } else if (type == 3) {
+    run_case<Eigen::bfloat16>(c, choices);
+  } else {
+    run_case<float>(c, choices);
+  }
+  return 0;
+}

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# A bounded fuzzing run, as CI does it:
+#   tests/fuzz/run_fuzzers.sh [SECONDS_PER_TARGET (60)] [BUILD_DIR (build-fuzz)]
+# Configures a clang++ build with MHA_BUILD_FUZZERS=ON, builds the three libFuzzer targets only,
+# and runs each for SECONDS_PER_TARGET on a copy of its committed corpus and regressions (under
+# BUILD_DIR/fuzz-run; nothing is written to the source tree). Prints per target the executions,
+# executions per second, corpus units, coverage and the inputs by outcome; exits 1 if any target
+# found a crash, timeout, leak or out-of-memory, whose input is then kept in
+# BUILD_DIR/fuzz-run/<target>/ (crash-*, timeout-*, leak-*, oom-*).
+# MHA_JOBS sets the build's parallelism (default: nproc).
+set -euo pipefail
+
+seconds=${1:-60}
+build_dir=${2:-build-fuzz}
+if ! [[ "$seconds" =~ ^[0-9]+$ ]] || ((seconds < 1)); then
+  echo "run_fuzzers.sh: SECONDS_PER_TARGET must be a positive integer, got '$seconds'" >&2
+  exit 2
+fi
+repo_root=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/../.." && pwd)
+fuzz_dir=$repo_root/tests/fuzz
+jobs=${MHA_JOBS:-$(nproc)}
+
+# RelWithDebInfo at -O1 without NDEBUG, as the sanitizer stage of .ci/run: MHA_ASSERT and Eigen's
+# index checks stay on. No OpenMP: libFuzzer runs one input at a time, and threads would only
+# make runs slower and less reproducible (the thread split is tested by the ordinary tests).
+# Tools stay on because the tests' CMakeLists refers to mha_run; only the fuzzers are built.
+cmake -S "$repo_root" -B "$build_dir" -DCMAKE_CXX_COMPILER=clang++ \
+  -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g" \
+  -DMHA_BUILD_FUZZERS=ON -DMHA_USE_OPENMP=OFF -DMHA_BUILD_TESTS=ON -DMHA_BUILD_TOOLS=ON \
+  -DMHA_BUILD_EXAMPLES=OFF -DMHA_BUILD_BENCHMARKS=OFF >/dev/null
+targets=(fuzz_safetensors fuzz_mha_run fuzz_forward)
+build_start=$SECONDS
+cmake --build "$build_dir" -j "$jobs" --target "${targets[@]}"
+echo "run_fuzzers.sh: built ${targets[*]} in $((SECONDS - build_start))s"
+
+# The inputs' size limits: a few fixtures' worth for files, a few hundred choices for forward.
+declare -A max_len=([fuzz_safetensors]=4096 [fuzz_mha_run]=4096 [fuzz_forward]=512)
+declare -A dict=([fuzz_safetensors]=$fuzz_dir/safetensors.dict
+  [fuzz_mha_run]=$fuzz_dir/safetensors.dict [fuzz_forward]=)
+
+run_root=$build_dir/fuzz-run
+rm -rf -- "$run_root"
+failed=()
+summary=()
+for target in "${targets[@]}"; do
+  work=$run_root/$target
+  mkdir -p -- "$work/corpus"
+  cp -- "$fuzz_dir/corpus/$target"/* "$work/corpus/"
+  if [[ -d "$fuzz_dir/regressions/$target" ]]; then
+    cp -- "$fuzz_dir/regressions/$target"/* "$work/corpus/"
+  fi
+  units_before=$(find "$work/corpus" -type f | wc -l)
+  options=(-max_total_time="$seconds" -max_len="${max_len[$target]}" -rss_limit_mb=2048
+    -timeout=10 -print_final_stats=1 -artifact_prefix="$work/")
+  if [[ -n "${dict[$target]}" ]]; then options+=(-dict="${dict[$target]}"); fi
+  echo "run_fuzzers.sh: $target for ${seconds}s on $units_before inputs"
+  status=0
+  "$build_dir/fuzzers/$target" "${options[@]}" "$work/corpus" >"$work/log" 2>&1 || status=$?
+  executions=$(sed -n 's/^stat::number_of_executed_units: *//p' "$work/log")
+  per_second=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$work/log")
+  # libFuzzer's last status line, e.g. "#123 DONE cov: 1234 ft: 5678 corp: 90/12Kb ...".
+  last=$(grep -E '^#[0-9]+' "$work/log" | tail -n 1 || true)
+  coverage=$(sed -nE 's/.* cov: ([0-9]+).*/\1/p' <<<"$last")
+  features=$(sed -nE 's/.* ft: ([0-9]+).*/\1/p' <<<"$last")
+  corpus=$(sed -nE 's/.* corp: ([^ ]+).*/\1/p' <<<"$last")
+  outcomes=$(grep -E "^$target: [0-9]+ inputs" "$work/log" | tail -n 1 || true)
+  artifacts=$(find "$work" -maxdepth 1 -type f \
+    \( -name 'crash-*' -o -name 'timeout-*' -o -name 'leak-*' -o -name 'oom-*' \) | sort)
+  line="$target: ${executions:-?} executions in ${seconds}s (${per_second:-?}/s), corpus ${corpus:-?} (units/size), cov ${coverage:-?}, ft ${features:-?}"
+  summary+=("$line" "  ${outcomes:-(no outcome counts: the run did not exit normally)}")
+  if ((status != 0)) || [[ -n "$artifacts" ]]; then
+    failed+=("$target")
+    summary+=("  FAILED (exit status $status); log: $work/log; inputs: ${artifacts:-none written}")
+    grep -E -A30 '^==[0-9]+==ERROR|fuzz property violated|runtime error' "$work/log" | head -n 60 >&2 || true
+  fi
+done
+
+printf '\n== fuzzing summary (%ss per target)\n' "$seconds"
+printf '%s\n' "${summary[@]}"
+if ((${#failed[@]} > 0)); then
+  echo "run_fuzzers.sh: FAILED: ${failed[*]} (reproduce: BINARY INPUT; keep the input under tests/fuzz/regressions/<target>/ once fixed)" >&2
+  exit 1
+fi
+echo "run_fuzzers.sh: no crash in ${targets[*]}"
