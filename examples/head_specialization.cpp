@@ -157,9 +157,9 @@ void print_heatmaps(const Evaluation& evaluation, const Batch& batch, Index b, I
   }();
   const auto title = [&](Index h) {
     const HeadMeasure& head = evaluation.heads[static_cast<std::size_t>(h)];
-    char text[64];
-    std::snprintf(text, sizeof text, "head %td: %s, %.2f nats", h, job_of(head).c_str(),
-                  head.entropy);
+    char text[64];  // a longer title is cut short, which a picture's label can be
+    (void)std::snprintf(text, sizeof text, "head %td: %s, %.2f nats", h, job_of(head).c_str(),
+                        head.entropy);
     return std::string(text);
   };
   const auto pad = [](std::string text, std::size_t width) {
@@ -194,10 +194,10 @@ void write_pictures(const Evaluation& evaluation, const Batch& batch, Index b,
                      specialization::letter(batch.token[Batch::at(b, i)]));
   }
   for (std::size_t h = 0; h < evaluation.heads.size(); ++h) {
-    char text[64];
-    std::snprintf(text, sizeof text, "head %zu: %s, %.2f nats", h,
-                  job_of(evaluation.heads[h]).c_str(), evaluation.heads[h].entropy);
-    titles.push_back(text);
+    char text[64];  // a longer title is cut short, which a picture's label can be
+    (void)std::snprintf(text, sizeof text, "head %zu: %s, %.2f nats", h,
+                        job_of(evaluation.heads[h]).c_str(), evaluation.heads[h].entropy);
+    titles.emplace_back(text);
   }
   mha::HeatmapOptions options;
   options.title =
@@ -272,7 +272,8 @@ bool print_verdict(const Evaluation& evaluation) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+// An exception other than a picture's ends the example through std::terminate, which prints it.
+int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape)
   specialization::ModelConfig config;
   config.heads = 4;
   Index steps = kDefaultSteps;
@@ -282,8 +283,8 @@ int main(int argc, char** argv) {
       has_dir ? specialization::parse_arguments(argc, argv, "training steps", config.seed, steps)
               : 2;
   if (exit_code >= 0) {
-    if (!has_dir) std::fprintf(stderr, "%s: --output-dir needs a directory\n", argv[0]);
-    std::fprintf(exit_code == 0 ? stdout : stderr, "%s", example_pictures::kUsage);
+    if (!has_dir) (void)std::fprintf(stderr, "%s: --output-dir needs a directory\n", argv[0]);
+    (void)std::fprintf(exit_code == 0 ? stdout : stderr, "%s", example_pictures::kUsage);
     return exit_code;
   }
 
@@ -319,7 +320,7 @@ int main(int argc, char** argv) {
   try {
     write_pictures(evaluation, held_out, 0, output_dir);
   } catch (const std::exception& error) {  // a picture that cannot be written
-    std::fprintf(stderr, "head_specialization: %s\n", error.what());
+    (void)std::fprintf(stderr, "head_specialization: %s\n", error.what());
     return 1;
   }
   print_predictions(evaluation, held_out, 0);

@@ -113,7 +113,7 @@ inline std::vector<Index> draw_run(mha::Random& random, Index count) {
 inline Batch make_batch(Index size, mha::Random& random) {
   Batch batch;
   batch.size = size;
-  const std::size_t n = static_cast<std::size_t>(size * kLength);
+  const auto n = static_cast<std::size_t>(size * kLength);
   batch.token.assign(n, kNone);
   batch.previous.assign(n, kNone);
   batch.two_back.assign(n, kNone);
@@ -355,7 +355,7 @@ class Model {
     Index correct[2] = {0, 0};
     Eigen::VectorXd probabilities(kVocab);
     for (Index row = 0; row < z.rows(); ++row) {
-      const std::size_t at = static_cast<std::size_t>(row);
+      const auto at = static_cast<std::size_t>(row);
       const Index answers[2] = {batch.two_back[at], batch.follower[at]};
       for (int job = 0; job < 2; ++job) {
         if (answers[job] == kNone) continue;
@@ -491,7 +491,7 @@ class Progress {
                   label_.c_str(), width_, step, steps_, mean(loss_sum_),
                   100.0 * mean(accuracy_sum_), rate, static_cast<double>(steps_ - step) / rate);
       if (step == steps_) std::printf("\n");
-      std::fflush(stdout);
+      (void)std::fflush(stdout);
       last_draw_ = now;
     } else if (step % every_ == 0 || step == steps_) {
       std::printf("%sstep %*td/%td  loss %.4f  acc %5.1f%%\n", label_.c_str(), width_, step, steps_,
@@ -573,18 +573,20 @@ inline Index parse_count(const char* text) {
 inline int parse_arguments(int argc, char** argv, const char* steps_meaning, std::uint64_t& seed,
                            Index& steps) {
   const auto usage = [&](int code) {
-    std::fprintf(code == 0 ? stdout : stderr,
-                 "usage: %s [--seed N] [--steps N]\n"
-                 "  --seed N   seed of the initialisation and of the training data (default 1)\n"
-                 "  --steps N  %s (default %td)\n",
-                 argv[0], steps_meaning, steps);
+    (void)std::fprintf(
+        code == 0 ? stdout : stderr,
+        "usage: %s [--seed N] [--steps N]\n"
+        "  --seed N   seed of the initialisation and of the training data (default 1)\n"
+        "  --steps N  %s (default %td)\n",
+        argv[0], steps_meaning, steps);
     return code;
   };
   for (int k = 1; k < argc; ++k) {
     const bool has_value = k + 1 < argc;
     if (std::strcmp(argv[k], "--help") == 0 || std::strcmp(argv[k], "-h") == 0) {
       return usage(0);
-    } else if (std::strcmp(argv[k], "--seed") == 0 && has_value) {
+    }
+    if (std::strcmp(argv[k], "--seed") == 0 && has_value) {
       const char* text = argv[++k];
       char* end = nullptr;
       seed = std::strtoull(text, &end, 10);

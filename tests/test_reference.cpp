@@ -477,7 +477,8 @@ TEST_CASE("the sparse-pattern fixtures are present and cover each part", "[refer
       per_head += in.at("block_layout").shape.size() == 3;
     }
     bottom_right += metadata_text(in, "causal_alignment", "top_left") == "bottom_right";
-    across_blocks += in.at("query").shape.end()[-2] > 256;
+    const mha::Shape& query_shape = in.at("query").shape;
+    across_blocks += query_shape[query_shape.size() - 2] > 256;
   }
   CHECK(cases >= 6);
   CHECK(with_gradients >= 2);

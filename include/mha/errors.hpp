@@ -38,7 +38,7 @@ inline std::string format_shape(const Shape& shape) {
   std::ostringstream out;
   out << '[';
   for (std::size_t i = 0; i < shape.size(); ++i) {
-    out << (i ? ", " : "");
+    out << (i > 0 ? ", " : "");
     if (shape[i] == kAnyDim) {
       out << '*';
     } else {

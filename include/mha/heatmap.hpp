@@ -31,6 +31,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -90,8 +91,8 @@ inline Rgb heatmap_colour(ColourMap map, double t) {
   const int low = std::min(static_cast<int>(position), 7);
   const double f = position - low;
   const auto channel = [&](int shift) {
-    const double a = static_cast<double>((stops[low] >> shift) & 0xffu);
-    const double b = static_cast<double>((stops[low + 1] >> shift) & 0xffu);
+    const auto a = static_cast<double>((stops[low] >> shift) & 0xffu);
+    const auto b = static_cast<double>((stops[low + 1] >> shift) & 0xffu);
     return static_cast<std::uint8_t>(std::lround(a + (b - a) * f));
   };
   return Rgb{channel(16), channel(8), channel(0)};
@@ -99,8 +100,8 @@ inline Rgb heatmap_colour(ColourMap map, double t) {
 
 // "#rrggbb", as SVG writes colours.
 inline std::string to_hex(const Rgb& colour) {
-  char text[8];
-  std::snprintf(text, sizeof text, "#%02x%02x%02x", colour.r, colour.g, colour.b);
+  char text[8];  // exactly "#rrggbb" and its terminator: snprintf cannot fail or truncate
+  (void)std::snprintf(text, sizeof text, "#%02x%02x%02x", colour.r, colour.g, colour.b);
   return text;
 }
 
@@ -108,13 +109,13 @@ inline std::string to_hex(const Rgb& colour) {
 // It points into the tensor, so it is for passing to the functions below, not for keeping.
 class HeatmapWeights {
  public:
-  HeatmapWeights(TensorView<const float> view)  // NOLINT(google-explicit-constructor)
+  HeatmapWeights(const TensorView<const float>& view)  // NOLINT(google-explicit-constructor)
       : shape_(view.shape()), floats_(view.data()) {}
-  HeatmapWeights(TensorView<const double> view)  // NOLINT(google-explicit-constructor)
+  HeatmapWeights(const TensorView<const double>& view)  // NOLINT(google-explicit-constructor)
       : shape_(view.shape()), doubles_(view.data()) {}
-  HeatmapWeights(TensorView<float> view)  // NOLINT(google-explicit-constructor)
+  HeatmapWeights(const TensorView<float>& view)  // NOLINT(google-explicit-constructor)
       : HeatmapWeights(TensorView<const float>(view)) {}
-  HeatmapWeights(TensorView<double> view)  // NOLINT(google-explicit-constructor)
+  HeatmapWeights(const TensorView<double>& view)  // NOLINT(google-explicit-constructor)
       : HeatmapWeights(TensorView<const double>(view)) {}
   HeatmapWeights(const Tensor<float>& tensor)  // NOLINT(google-explicit-constructor)
       : HeatmapWeights(tensor.view()) {}
@@ -157,7 +158,7 @@ inline HeatmapData collect_heatmap(const HeatmapWeights& weights,
                                    const HeatmapOptions& options) {
   const Shape& shape = weights.shape();
   const std::string shape_text = format_shape(shape);
-  const Index rank = static_cast<Index>(shape.size());
+  const auto rank = static_cast<Index>(shape.size());
   if (rank < 2 || rank > 4) {
     throw_shape("weights",
                 "[B, H, L, S], [H, L, S], [B, L, S] or [L, S] (the attn_weights of a forward "
@@ -287,8 +288,8 @@ inline std::string shorten(const std::string& text, Index max_chars, const std::
 
 // "0", "0.5", "0.091": a weight for the colour bar, 3 decimals without trailing zeros.
 inline std::string format_weight(double weight) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%.3f", weight);
+  char text[32];  // a weight past 1e27 would be cut short, never overflow: no result to check
+  (void)std::snprintf(text, sizeof text, "%.3f", weight);
   std::string out = text;
   out.erase(out.find_last_not_of('0') + 1);
   if (!out.empty() && out.back() == '.') out.pop_back();
@@ -348,7 +349,7 @@ inline HeatmapLayout layout_heatmap(const HeatmapData& data, const HeatmapOption
   const Index grid_top = h + pad + key_width + pad;  // from the panel's top
   const Index panel_height = grid_top + grid_height;
 
-  const Index panels = static_cast<Index>(data.panels.size());
+  const auto panels = static_cast<Index>(data.panels.size());
   const Index columns = std::min(options.columns, panels);
   const Index panel_rows = (panels + columns - 1) / columns;
   const Index top = margin + (data.title.empty() ? 0 : h + 2 * pad);
@@ -435,8 +436,8 @@ inline std::string xml_escape(const std::string& text) {
 }
 
 inline std::string svg_number(double value) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%.6g", value);
+  char text[32];  // "%.6g" is at most 13 characters
+  (void)std::snprintf(text, sizeof text, "%.6g", value);
   return text;
 }
 
@@ -445,8 +446,10 @@ inline std::string svg_number(double value) {
 inline void save_picture(const std::string& path, const std::string& bytes) {
   std::ofstream file(path, std::ios::binary);
   if (!file) {
+    // std::strerror may share one buffer between threads; the category's message does not.
+    const int error = errno;
     throw std::runtime_error("heatmap: cannot open " + path +
-                             " for writing: " + std::strerror(errno));
+                             " for writing: " + std::generic_category().message(error));
   }
   file.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   file.close();
@@ -537,8 +540,10 @@ inline void write_heatmap_svg(std::ostream& out, const HeatmapWeights& weights,
     } else {
       const std::string anchor =
           item.anchor == detail::TextItem::kEnd ? " text-anchor=\"end\"" : "";
-      svg += "<text x=\"" + number(item.x) + "\" y=\"" + number(item.y + ascent) + "\"" + anchor +
-             weight + ">" + detail::xml_escape(item.text) + "</text>\n";
+      svg += "<text x=\"" + number(item.x) + "\" y=\"" + number(item.y + ascent) + "\"";
+      svg += anchor;
+      svg += weight;
+      svg += ">" + detail::xml_escape(item.text) + "</text>\n";
     }
   }
   svg += "</svg>\n";

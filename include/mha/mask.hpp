@@ -111,13 +111,13 @@ class Mask {
   static Mask blocked_where_true(Tensor<bool> mask) {
     return Mask(MaskKind::blocked_where_true, std::move(mask), Tensor<T>());
   }
-  static Mask blocked_where_true(TensorView<const bool> mask) {
+  static Mask blocked_where_true(const TensorView<const bool>& mask) {
     return blocked_where_true(Tensor<bool>(mask));
   }
   static Mask allowed_where_true(Tensor<bool> mask) {
     return Mask(MaskKind::allowed_where_true, std::move(mask), Tensor<T>());
   }
-  static Mask allowed_where_true(TensorView<const bool> mask) {
+  static Mask allowed_where_true(const TensorView<const bool>& mask) {
     return allowed_where_true(Tensor<bool>(mask));
   }
   static Mask additive(Tensor<T> mask) {

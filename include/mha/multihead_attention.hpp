@@ -434,10 +434,9 @@ class MultiHeadAttention {
     return names;
   }
   bool has_parameter(const std::string& name) const {
-    for (const auto& entry : named_parameters()) {
-      if (entry.first == name) return true;
-    }
-    return false;
+    const auto parameters = named_parameters();
+    return std::any_of(parameters.begin(), parameters.end(),
+                       [&](const auto& entry) { return entry.first == name; });
   }
   // A view of one parameter with its PyTorch shape; writing through it changes the layer.
   TensorView<T> parameter(const std::string& name) { return find_parameter(name).view(); }

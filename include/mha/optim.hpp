@@ -83,7 +83,7 @@ class Sgd {
  public:
   using Scalar = T;
 
-  Sgd(ParameterList<T> parameters, SgdOptions options)
+  Sgd(ParameterList<T> parameters, const SgdOptions& options)
       : parameters_(std::move(parameters)), options_(options) {
     detail::check_optimizer_parameters(parameters_);
     check_options(options_);
@@ -195,7 +195,7 @@ class AdamImpl {
  public:
   using Scalar = T;
 
-  AdamImpl(ParameterList<T> parameters, Options options)
+  AdamImpl(ParameterList<T> parameters, const Options& options)
       : parameters_(std::move(parameters)), options_(options) {
     check_optimizer_parameters(parameters_);
     check_options(options_);
@@ -215,7 +215,7 @@ class AdamImpl {
   void step() {
     ++steps_;
     const Options& o = options_;
-    const double t = static_cast<double>(steps_);
+    const auto t = static_cast<double>(steps_);
     const T step_size = static_cast<T>(o.lr / (1.0 - std::pow(o.beta1, t)));
     const T bias_correction2_sqrt = static_cast<T>(std::sqrt(1.0 - std::pow(o.beta2, t)));
     const T beta1 = static_cast<T>(o.beta1);
@@ -296,7 +296,7 @@ class AdamImpl {
 template <class T>
 class Adam : public detail::AdamImpl<T, AdamOptions, false> {
  public:
-  explicit Adam(ParameterList<T> parameters, AdamOptions options = {})
+  explicit Adam(ParameterList<T> parameters, const AdamOptions& options = {})
       : detail::AdamImpl<T, AdamOptions, false>(std::move(parameters), options) {}
 };
 
@@ -305,7 +305,7 @@ class Adam : public detail::AdamImpl<T, AdamOptions, false> {
 template <class T>
 class AdamW : public detail::AdamImpl<T, AdamWOptions, true> {
  public:
-  explicit AdamW(ParameterList<T> parameters, AdamWOptions options = {})
+  explicit AdamW(ParameterList<T> parameters, const AdamWOptions& options = {})
       : detail::AdamImpl<T, AdamWOptions, true>(std::move(parameters), options) {}
 };
 

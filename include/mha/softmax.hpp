@@ -45,11 +45,11 @@ void softmax_rows_inplace(const Eigen::MatrixBase<Derived>& scores_expression,
   if (scratch.size() < scores.cols()) scratch.resize(scores.cols());
   for (Index r = 0; r < scores.rows(); ++r) {
     auto row = scores.row(r);
-    // PropagateNaN: a row of NaN and -inf scores must not read as fully blocked (and give 0);
-    // Eigen's default maximum may skip a NaN, depending on where it falls in a packet.
-    const T row_max = row.template maxCoeff<Eigen::PropagateNaN>();
+    const T row_max = row.maxCoeff();
     if (row_max == -std::numeric_limits<T>::infinity()) {
-      row.setZero();
+      // Every key blocked gives 0; but Eigen's maximum may skip a NaN, and a row of NaN and -inf
+      // scores must give NaN, not read as fully blocked.
+      row.setConstant(row.hasNaN() ? std::numeric_limits<T>::quiet_NaN() : T(0));
       continue;
     }
     // The maximum entry contributed exp(0) = 1, so the sum is at least 1: no division by zero.

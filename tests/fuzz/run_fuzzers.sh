@@ -30,7 +30,7 @@ cmake -S "$repo_root" -B "$build_dir" -DCMAKE_CXX_COMPILER=clang++ \
   -DMHA_BUILD_EXAMPLES=OFF -DMHA_BUILD_BENCHMARKS=OFF >/dev/null
 targets=(fuzz_safetensors fuzz_mha_run fuzz_forward)
 build_start=$SECONDS
-cmake --build "$build_dir" -j "$jobs" --target "${targets[@]}"
+cmake --build "$build_dir" -j "$jobs" --target mha_fuzzers
 echo "run_fuzzers.sh: built ${targets[*]} in $((SECONDS - build_start))s"
 
 # The inputs' size limits: a few fixtures' worth for files, a few hundred choices for forward.

@@ -113,7 +113,7 @@ inline std::map<std::string, std::set<Index>> find_layers(const SafetensorsFile&
     const std::string head = name.substr(0, name.size() - probe.size());  // PREFIX stem {i}
     std::size_t digits = 0;
     while (digits < head.size() &&
-           std::isdigit(static_cast<unsigned char>(head[head.size() - 1 - digits]))) {
+           std::isdigit(static_cast<unsigned char>(head[head.size() - 1 - digits])) != 0) {
       ++digits;
     }
     if (digits == 0 || digits > 9) continue;

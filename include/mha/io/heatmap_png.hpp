@@ -16,6 +16,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
@@ -58,7 +59,7 @@ struct HeatmapImage {
   std::vector<std::uint8_t> rgb;
 
   Rgb at(Index x, Index y) const {
-    const std::size_t i = static_cast<std::size_t>((y * width + x) * 3);
+    const auto i = static_cast<std::size_t>((y * width + x) * 3);
     return Rgb{rgb[i], rgb[i + 1], rgb[i + 2]};
   }
 };
@@ -73,7 +74,7 @@ constexpr Index kEasyFontHeight = 9;
 inline std::string printable_ascii(const std::string& text) {
   std::string out;
   for (char byte : text) {
-    const unsigned char c = static_cast<unsigned char>(byte);
+    const auto c = static_cast<unsigned char>(byte);
     if (c >= 32 && c < 127) {
       out += byte;
     } else if ((c & 0xC0) != 0x80) {
@@ -100,7 +101,7 @@ class Canvas {
     y1 = std::min(y1, image_.height);
     for (Index y = y0; y < y1; ++y) {
       for (Index x = x0; x < x1; ++x) {
-        const std::size_t i = static_cast<std::size_t>((y * image_.width + x) * 3);
+        const auto i = static_cast<std::size_t>((y * image_.width + x) * 3);
         image_.rgb[i] = colour.r;
         image_.rgb[i + 1] = colour.g;
         image_.rgb[i + 2] = colour.b;
@@ -128,8 +129,10 @@ class Canvas {
       for (int q = 0; q < count; ++q) {
         // Vertices 0 and 2 of a quad are opposite corners; 16 bytes a vertex, x and y first.
         float corner[2][2];
-        std::memcpy(corner[0], quads.data() + q * 64, sizeof corner[0]);
-        std::memcpy(corner[1], quads.data() + q * 64 + 32, sizeof corner[1]);
+        std::memcpy(corner[0], quads.data() + static_cast<std::ptrdiff_t>(q) * 64,
+                    sizeof corner[0]);
+        std::memcpy(corner[1], quads.data() + static_cast<std::ptrdiff_t>(q) * 64 + 32,
+                    sizeof corner[1]);
         const Index u0 = static_cast<Index>(corner[0][0]) * scale;
         const Index v0 = static_cast<Index>(corner[0][1]) * scale;
         const Index u1 = static_cast<Index>(corner[1][0]) * scale;

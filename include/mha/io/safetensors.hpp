@@ -138,7 +138,7 @@ struct SafetensorsFile {
 
 // Header lengths above this are refused before anything is allocated for the header; real
 // headers are a few hundred bytes per tensor. The reference implementation has the same cap.
-inline constexpr std::uint64_t kMaxHeaderBytes = 100u * 1024u * 1024u;
+inline constexpr std::uint64_t kMaxHeaderBytes = std::uint64_t{100} * 1024 * 1024;
 
 namespace detail {
 
@@ -154,7 +154,7 @@ inline std::string format_dims(const Shape& shape) {
   constexpr std::size_t kMaxShown = 16;
   std::string out = "[";
   for (std::size_t i = 0; i < shape.size() && i < kMaxShown; ++i) {
-    out += (i ? ", " : "") + std::to_string(shape[i]);
+    out += (i > 0 ? ", " : "") + std::to_string(shape[i]);
   }
   if (shape.size() > kMaxShown) out += ", ... (" + std::to_string(shape.size()) + " axes)";
   return out + "]";
@@ -307,7 +307,7 @@ inline std::uint16_t float_to_bfloat16(double value) {
 // double to float with IEEE semantics for values beyond float's range (infinity when the value
 // rounds past FLT_MAX), which a plain cast leaves undefined in C++.
 inline float narrow_to_float(double value) {
-  constexpr double kMax = static_cast<double>(std::numeric_limits<float>::max());
+  constexpr auto kMax = static_cast<double>(std::numeric_limits<float>::max());
   if (std::isfinite(value) && std::fabs(value) > kMax) {
     // Halfway between FLT_MAX and 2^128; FLT_MAX's significand is odd, so the tie goes up.
     const double halfway = kMax + std::ldexp(1.0, 103);
@@ -592,7 +592,7 @@ inline SafetensorsFile read_safetensors(const std::string& path) {
   if (!in) {
     const int error = errno;
     source.fail("cannot open for reading" +
-                (error ? ": " + std::generic_category().message(error) : std::string()));
+                (error != 0 ? ": " + std::generic_category().message(error) : std::string()));
   }
   in.seekg(0, std::ios::end);
   const std::streamoff end = in.tellg();
@@ -675,7 +675,7 @@ inline void write_safetensors(const std::string& path, const SafetensorsFile& fi
   if (!out) {
     const int error = errno;
     source.fail("cannot open for writing" +
-                (error ? ": " + std::generic_category().message(error) : std::string()));
+                (error != 0 ? ": " + std::generic_category().message(error) : std::string()));
   }
   out.write(reinterpret_cast<const char*>(bytes.data()),
             static_cast<std::streamsize>(bytes.size()));

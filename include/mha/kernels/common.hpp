@@ -23,9 +23,7 @@
 #define MHA_OMP_PRAGMA(x)
 #endif
 
-namespace mha {
-
-namespace detail {
+namespace mha::detail {
 
 // A (B, H) family of [rows, cols] matrices inside one buffer, each row-major with its rows
 // row_stride elements apart (or, for keys and values under grouped-query attention, a
@@ -307,8 +305,8 @@ struct CoreOptions {
     for (Index i = 0; i < tile.rows(); ++i) {
       const Index row = row0 + i;
       auto tile_row = tile.row(i);
-      const auto block_out = [&](Index begin, Index end) {  // keys [begin, end) of the tile
-        if (begin < end) tile_row.segment(begin - col0, end - begin).setConstant(kBlocked);
+      const auto block_out = [&](Index from, Index to) {  // keys [from, to) of the tile
+        if (from < to) tile_row.segment(from - col0, to - from).setConstant(kBlocked);
       };
       const Index causal_end =
           std::min(col_end, causal_visible_end(causal, causal_cols, query_len, row));
@@ -429,5 +427,4 @@ std::vector<KernelScratch<T>>& scratch_for_threads(std::vector<KernelScratch<T>>
   return scratch;
 }
 
-}  // namespace detail
-}  // namespace mha
+}  // namespace mha::detail

@@ -18,8 +18,7 @@
 #include <immintrin.h>
 #endif
 
-namespace mha {
-namespace detail {
+namespace mha::detail {
 
 // dst[i] = float(src[i]) for i < n.
 inline void widen(const Eigen::half* src, Index n, float* dst) {
@@ -173,5 +172,4 @@ void widen_rows(const Stored* src, Index rows, Index cols, Index stride, Matrix<
   for (Index r = 0; r < rows; ++r) widen(src + r * stride, cols, dst.data() + r * dst.cols());
 }
 
-}  // namespace detail
-}  // namespace mha
+}  // namespace mha::detail

@@ -25,8 +25,7 @@
 #include "mha/kernels/common.hpp"
 #include "mha/kernels/convert.hpp"
 
-namespace mha {
-namespace detail {
+namespace mha::detail {
 
 enum class Accumulate { no, yes };
 
@@ -171,5 +170,4 @@ void product_transposed(Dst&& dst, const Lhs& lhs, const Eigen::Map<const Matrix
   }
 }
 
-}  // namespace detail
-}  // namespace mha
+}  // namespace mha::detail

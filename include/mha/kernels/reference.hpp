@@ -6,9 +6,7 @@
 #include "mha/kernels/common.hpp"
 #include "mha/softmax.hpp"
 
-namespace mha {
-
-namespace detail {
+namespace mha::detail {
 
 // q is (B, H, L, D), k is (B, H, S, D), v is (B, H, S, Dv), out is (B, H, L, Dv), all as head
 // layouts; weights is null or a contiguous (B, H, L, S) buffer for the probabilities.
@@ -132,5 +130,4 @@ void attention_reference_backward(Index batch, Index heads, const HeadLayout<con
   }
 }
 
-}  // namespace detail
-}  // namespace mha
+}  // namespace mha::detail

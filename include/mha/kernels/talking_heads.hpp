@@ -20,9 +20,7 @@
 #include "mha/kernels/common.hpp"
 #include "mha/softmax.hpp"
 
-namespace mha {
-
-namespace detail {
+namespace mha::detail {
 
 // Queries per block: at most 64, the blocks of one problem balanced (L = 65 gives 33 + 32), so
 // that a last block of one row does not become a matrix-vector product with its own rounding.
@@ -322,5 +320,4 @@ void attention_talking_heads_backward(Index batch, Index heads, const HeadLayout
   if (want_post) sum_rows(grad_post, 1);
 }
 
-}  // namespace detail
-}  // namespace mha
+}  // namespace mha::detail

@@ -1,0 +1,41 @@
+// The translation unit that tools/lint gives clang-tidy in place of the test programs: every
+// header of include/mha, and the library's class templates instantiated for float, so that
+// clang-tidy sees each member function's body with a real type. clang-tidy takes about as long on
+// one Eigen-heavy test program as on this whole unit; all the tests would take ~40 minutes.
+// tools/lint fails when a header of include/mha is missing here.
+
+#include "mha/attention.hpp"
+#include "mha/diagnostics.hpp"
+#include "mha/errors.hpp"
+#include "mha/finite.hpp"
+#include "mha/heads.hpp"
+#include "mha/heatmap.hpp"
+#include "mha/init.hpp"
+#include "mha/io/checkpoints.hpp"
+#include "mha/io/safetensors.hpp"
+#include "mha/kernels/common.hpp"
+#include "mha/kernels/convert.hpp"
+#include "mha/kernels/flash.hpp"
+#include "mha/kernels/gemm.hpp"
+#include "mha/kernels/reference.hpp"
+#include "mha/kernels/talking_heads.hpp"
+#include "mha/kv_cache.hpp"
+#include "mha/mask.hpp"
+#include "mha/mha.hpp"
+#include "mha/multihead_attention.hpp"
+#include "mha/optim.hpp"
+#include "mha/parameters.hpp"
+#include "mha/rotary.hpp"
+#include "mha/softmax.hpp"
+#include "mha/tensor.hpp"
+#include "mha/version.hpp"
+#if defined(MHA_LINT_PNG)  // mha::png, when stb was found
+#include "mha/io/heatmap_png.hpp"
+#endif
+
+template class mha::MultiHeadAttention<float>;
+template class mha::KVCache<float>;
+template class mha::Mask<float>;
+template class mha::Sgd<float>;
+template class mha::Adam<float>;
+template class mha::AdamW<float>;
