@@ -62,7 +62,7 @@ mha::ForwardOptions<float> with_kernel(Kernel kernel) {
 }  // namespace
 
 TEST_CASE("inputs of magnitude 1e4 give finite results equal to float64's", "[edge]") {
-  // Scores reach ~1e7: exp of an unshifted score overflows float (and double) many times over.
+  // Scores far beyond 88 (float's exp overflows above it) unless the row maximum is subtracted.
   const mha::MultiHeadAttentionConfig config(16, 4);
   MultiHeadAttention<float> layer(config);
   mha_test::randomise(layer, 11);
@@ -269,9 +269,9 @@ bool row_finite(const Tensor<float>& a, Index n, Index i) {
 }  // namespace
 
 TEST_CASE("NaN and Inf inputs spread only within their batch element, as documented", "[edge]") {
-  // ForwardOptions::check_inputs's comment: a bad query row reaches its own output row; a bad key
-  // or value row reaches the whole batch element, masked or not; other batch elements are
-  // unchanged bit for bit.
+  // ForwardOptions::check_inputs's comment: a bad query row reaches its own output row only; a bad
+  // key or value row stays in its batch element, and reaches the rows that read it; other batch
+  // elements are unchanged bit for bit.
   const Index embed = 16, batch = 3, length = 6, keys = 9;
   const Index bad_batch = 1, bad_query_row = 2, bad_key_row = 4;
   MultiHeadAttention<float> layer(embed, 4);
@@ -311,7 +311,8 @@ TEST_CASE("NaN and Inf inputs spread only within their batch element, as documen
             CHECK(same_rows(spoiled->output, clean.output, n, 0, length));
           }
         }
-        // Documented as reaching every row; a NaN value in a masked row still does (0 * NaN).
+        // Every row reads value row bad_key_row here, even when key padding masks it: its tile is
+        // not wholly masked, so its weight 0 multiplies the NaN.
         for (Index i = 0; i < length; ++i) {
           CHECK_FALSE(row_finite(from_value.output, bad_batch, i));
         }

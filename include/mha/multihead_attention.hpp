@@ -176,9 +176,11 @@ struct ForwardOptions {
   // masks, with a NonFiniteError naming the tensor and the first bad element, before anything is
   // computed. It reads every input element once, which costs little beside the projections. Off,
   // as in PyTorch: a NaN or Inf then spreads only within its batch element. In query row i it
-  // reaches output row i; in key or value row j, every output row of that batch element,
-  // including rows that mask key j (a masked score is the score plus -inf, and its weight 0 times
-  // a NaN value is NaN). Other batch elements' outputs are unchanged, bit for bit.
+  // reaches output row i only. In key or value row j it reaches every output row of that batch
+  // element that attends to key j, and may reach rows that mask it (a masked score is the score
+  // plus -inf, and a weight of 0 times a NaN value is NaN); which ones depends on the kernel, as
+  // the flash kernel never reads key blocks a mask hides wholly. A row that reads a NaN never
+  // comes out finite. Other batch elements' outputs are unchanged, bit for bit.
   bool check_inputs = false;
 };
 
@@ -582,7 +584,11 @@ class MultiHeadAttention {
     detail::threaded_product(grads_.out_proj_weight.matrix(), grad_out.transpose(),
                              gate.empty() ? forward.attended : forward.gated,
                              detail::Accumulate::yes);
-    if (config_.bias) grads_.out_proj_bias.flat() += grad_out.colwise().sum().transpose();
+    // Column sums of no rows (B or L = 0) are skipped: Eigen's reduction of an empty matrix
+    // offsets its null data pointer, which is undefined.
+    if (config_.bias && rows > 0) {
+      grads_.out_proj_bias.flat() += grad_out.colwise().sum().transpose();
+    }
     Matrix<T>& grad_attended = saved.grad_attended_;
     grad_attended.resize(rows, inner_dim());
     detail::threaded_product(grad_attended, grad_out, params_.out_proj_weight.matrix(),
@@ -660,6 +666,8 @@ class MultiHeadAttention {
     grads.key = Tensor<T>(plan.fused ? saved.query_.shape() : saved.key_.shape());
     grads.value = Tensor<T>(plan.fused ? saved.query_.shape() : saved.value_.shape());
     if (plan.fused) {
+      // No rows (B or L = 0): nothing to add, and the column blocks below would offset null data.
+      if (rows == 0) return grads;
       const auto input = saved.query_.matrix();
       detail::threaded_product(grads_.in_proj_weight.matrix(), saved.grad_qkv_.transpose(), input,
                                detail::Accumulate::yes);
@@ -1314,7 +1322,7 @@ class MultiHeadAttention {
     const auto weight = weight_rows(which);
     const Index width = weight.cols();
     const auto accumulate_bias = [&](const auto& grad_rows) {
-      if (!config_.bias) return;
+      if (!config_.bias || grad_rows.rows() == 0) return;
       Eigen::Map<RowVector<T>>(grads_.in_proj_bias.data() + bias_offset(which),
                                projection_width(which)) += grad_rows.colwise().sum();
     };
