@@ -61,22 +61,27 @@ mha::ForwardOptions<float> with_kernel(Kernel kernel) {
 
 }  // namespace
 
+// Float heads of D = 4 take the small-head flash kernel, D = 5 the GEMM tiles (kernels/flash.hpp).
+const Index kEmbedsBothFlashPaths[] = {16, 20};
+
 TEST_CASE("inputs of magnitude 1e4 give finite results equal to float64's", "[edge]") {
   // Scores far beyond 88 (float's exp overflows above it) unless the row maximum is subtracted.
-  const mha::MultiHeadAttentionConfig config(16, 4);
-  MultiHeadAttention<float> layer(config);
-  mha_test::randomise(layer, 11);
-  const auto exact_layer = converted<double>(layer, config);
-  const auto x = mha_test::random_tensor<float>({2, 9, 16}, 12, 1e4);
-  const auto exact = exact_layer.forward(mha::tensor_cast<double>(x).view());
-  REQUIRE(mha::all_finite(exact.output));
-  for (const Kernel kernel : kKernels) {
-    INFO(mha::kernel_name(kernel));
-    const auto result = layer.forward(x.view(), with_kernel(kernel));
-    CHECK(mha::all_finite(result.output));
-    const auto comparison = close_to_scale(result.output, exact.output, 1e-5);
-    INFO(comparison.message);
-    CHECK(comparison.ok);
+  for (const Index embed : kEmbedsBothFlashPaths) {
+    const mha::MultiHeadAttentionConfig config(embed, 4);
+    MultiHeadAttention<float> layer(config);
+    mha_test::randomise(layer, 11);
+    const auto exact_layer = converted<double>(layer, config);
+    const auto x = mha_test::random_tensor<float>({2, 9, embed}, 12, 1e4);
+    const auto exact = exact_layer.forward(mha::tensor_cast<double>(x).view());
+    REQUIRE(mha::all_finite(exact.output));
+    for (const Kernel kernel : kKernels) {
+      INFO(mha::kernel_name(kernel) << ", E " << embed);
+      const auto result = layer.forward(x.view(), with_kernel(kernel));
+      CHECK(mha::all_finite(result.output));
+      const auto comparison = close_to_scale(result.output, exact.output, 1e-5);
+      INFO(comparison.message);
+      CHECK(comparison.ok);
+    }
   }
 }
 
@@ -272,59 +277,64 @@ TEST_CASE("NaN and Inf inputs spread only within their batch element, as documen
   // ForwardOptions::check_inputs's comment: a bad query row reaches its own output row only; a bad
   // key or value row stays in its batch element, and reaches the rows that read it; other batch
   // elements are unchanged bit for bit.
-  const Index embed = 16, batch = 3, length = 6, keys = 9;
-  const Index bad_batch = 1, bad_query_row = 2, bad_key_row = 4;
-  MultiHeadAttention<float> layer(embed, 4);
-  mha_test::randomise(layer, 51);
-  const auto query = mha_test::random_tensor<float>({batch, length, embed}, 52);
-  const auto key = mha_test::random_tensor<float>({batch, keys, embed}, 53);
-  const auto value = mha_test::random_tensor<float>({batch, keys, embed}, 54);
-  // Key bad_key_row is padding in every batch element: masking does not contain the NaN.
-  Tensor<bool> padding({batch, keys});
-  for (Index i = 0; i < padding.size(); ++i) padding.data()[i] = i % keys == bad_key_row;
+  for (const Index embed : kEmbedsBothFlashPaths) {
+    const Index batch = 3, length = 6, keys = 9;
+    const Index bad_batch = 1, bad_query_row = 2, bad_key_row = 4;
+    MultiHeadAttention<float> layer(embed, 4);
+    mha_test::randomise(layer, 51);
+    const auto query = mha_test::random_tensor<float>({batch, length, embed}, 52);
+    const auto key = mha_test::random_tensor<float>({batch, keys, embed}, 53);
+    const auto value = mha_test::random_tensor<float>({batch, keys, embed}, 54);
+    // Key bad_key_row is padding in every batch element: masking does not contain the NaN.
+    Tensor<bool> padding({batch, keys});
+    for (Index i = 0; i < padding.size(); ++i) padding.data()[i] = i % keys == bad_key_row;
 
-  for (const float bad :
-       {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
-    for (const Kernel kernel : kKernels) {
-      for (const bool masked : {false, true}) {
-        INFO(mha::kernel_name(kernel) << ", bad value " << bad << ", key masked " << masked);
-        auto options = with_kernel(kernel);
-        if (masked) options.key_padding_mask = Mask<float>::blocked_where_true(padding);
-        const auto clean = layer.forward(query.view(), key.view(), value.view(), options);
-        REQUIRE(mha::all_finite(clean.output));
+    for (const float bad :
+         {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+      for (const Kernel kernel : kKernels) {
+        for (const bool masked : {false, true}) {
+          INFO(mha::kernel_name(kernel)
+               << ", E " << embed << ", bad value " << bad << ", key masked " << masked);
+          auto options = with_kernel(kernel);
+          if (masked) options.key_padding_mask = Mask<float>::blocked_where_true(padding);
+          const auto clean = layer.forward(query.view(), key.view(), value.view(), options);
+          REQUIRE(mha::all_finite(clean.output));
 
-        auto bad_query = query;
-        bad_query.data()[(bad_batch * length + bad_query_row) * embed + 3] = bad;
-        const auto from_query = layer.forward(bad_query.view(), key.view(), value.view(), options);
-        CHECK_FALSE(row_finite(from_query.output, bad_batch, bad_query_row));
-        CHECK(same_rows(from_query.output, clean.output, bad_batch, 0, bad_query_row));
-        CHECK(same_rows(from_query.output, clean.output, bad_batch, bad_query_row + 1, length));
+          auto bad_query = query;
+          bad_query.data()[(bad_batch * length + bad_query_row) * embed + 3] = bad;
+          const auto from_query =
+              layer.forward(bad_query.view(), key.view(), value.view(), options);
+          CHECK_FALSE(row_finite(from_query.output, bad_batch, bad_query_row));
+          CHECK(same_rows(from_query.output, clean.output, bad_batch, 0, bad_query_row));
+          CHECK(same_rows(from_query.output, clean.output, bad_batch, bad_query_row + 1, length));
 
-        auto bad_key = key;
-        bad_key.data()[(bad_batch * keys + bad_key_row) * embed + 5] = bad;
-        auto bad_value = value;
-        bad_value.data()[(bad_batch * keys + bad_key_row) * embed + 7] = bad;
-        const auto from_key = layer.forward(query.view(), bad_key.view(), value.view(), options);
-        const auto from_value = layer.forward(query.view(), key.view(), bad_value.view(), options);
-        for (const auto* spoiled : {&from_query, &from_key, &from_value}) {
-          for (const Index n : {Index{0}, Index{2}}) {
-            CHECK(same_rows(spoiled->output, clean.output, n, 0, length));
+          auto bad_key = key;
+          bad_key.data()[(bad_batch * keys + bad_key_row) * embed + 5] = bad;
+          auto bad_value = value;
+          bad_value.data()[(bad_batch * keys + bad_key_row) * embed + 7] = bad;
+          const auto from_key = layer.forward(query.view(), bad_key.view(), value.view(), options);
+          const auto from_value =
+              layer.forward(query.view(), key.view(), bad_value.view(), options);
+          for (const auto* spoiled : {&from_query, &from_key, &from_value}) {
+            for (const Index n : {Index{0}, Index{2}}) {
+              CHECK(same_rows(spoiled->output, clean.output, n, 0, length));
+            }
           }
+          // Every row reads value row bad_key_row here, even when key padding masks it: its tile is
+          // not wholly masked, so its weight 0 multiplies the NaN.
+          for (Index i = 0; i < length; ++i) {
+            CHECK_FALSE(row_finite(from_value.output, bad_batch, i));
+          }
+          if (masked) continue;
+          // A row that sees only the bad key: its scores are NaN and -inf, which must not read
+          // as a fully masked row (whose output would be the finite output bias).
+          auto only_bad_key = options;
+          Tensor<bool> blocked({length, keys});
+          for (Index i = 0; i < blocked.size(); ++i) blocked.data()[i] = i % keys != bad_key_row;
+          only_bad_key.attn_mask = Mask<float>::blocked_where_true(blocked);
+          const auto lone = layer.forward(query.view(), bad_key.view(), value.view(), only_bad_key);
+          for (Index i = 0; i < length; ++i) CHECK_FALSE(row_finite(lone.output, bad_batch, i));
         }
-        // Every row reads value row bad_key_row here, even when key padding masks it: its tile is
-        // not wholly masked, so its weight 0 multiplies the NaN.
-        for (Index i = 0; i < length; ++i) {
-          CHECK_FALSE(row_finite(from_value.output, bad_batch, i));
-        }
-        if (masked) continue;
-        // A row that sees only the bad key: its scores are NaN and -inf, which must not read
-        // as a fully masked row (whose output would be the finite output bias).
-        auto only_bad_key = options;
-        Tensor<bool> blocked({length, keys});
-        for (Index i = 0; i < blocked.size(); ++i) blocked.data()[i] = i % keys != bad_key_row;
-        only_bad_key.attn_mask = Mask<float>::blocked_where_true(blocked);
-        const auto lone = layer.forward(query.view(), bad_key.view(), value.view(), only_bad_key);
-        for (Index i = 0; i < length; ++i) CHECK_FALSE(row_finite(lone.output, bad_batch, i));
       }
     }
   }
@@ -493,31 +503,33 @@ TEST_CASE("a decode step that throws leaves every cached sequence as it was", "[
 TEST_CASE("long sequences through the flash kernel keep float accuracy", "[edge]") {
   // 32768 keys are 128 key blocks of online softmax, each rescaling the running sums; scaled
   // keys make the scores spread (|score| up to ~30), so the running max moves often.
-  const Index embed = 16, keys = 32768, length = 48;
-  const mha::MultiHeadAttentionConfig config(embed, 2);
-  MultiHeadAttention<float> layer(config);
-  mha_test::randomise(layer, 91);
-  const auto exact_layer = converted<double>(layer, config);
-  const auto query = mha_test::random_tensor<float>({1, length, embed}, 92);
-  const auto key = mha_test::random_tensor<float>({1, keys, embed}, 93, 3.0);
-  const auto value = mha_test::random_tensor<float>({1, keys, embed}, 94);
-  for (const bool causal : {false, true}) {
-    INFO("causal (bottom-right) " << causal);
-    auto options = with_kernel(Kernel::flash);
-    options.is_causal = causal;
-    options.causal_alignment = mha::Alignment::bottom_right;
-    mha::ForwardOptions<double> exact_options;
-    exact_options.need_weights = false;
-    exact_options.kernel = Kernel::reference;
-    exact_options.is_causal = causal;
-    exact_options.causal_alignment = mha::Alignment::bottom_right;
-    const auto exact = exact_layer.forward(mha::tensor_cast<double>(query).view(),
-                                           mha::tensor_cast<double>(key).view(),
-                                           mha::tensor_cast<double>(value).view(), exact_options);
-    const auto result = layer.forward(query.view(), key.view(), value.view(), options);
-    const auto comparison = close_to_scale(result.output, exact.output, 1e-5);
-    INFO(comparison.message);
-    CHECK(comparison.ok);
+  const Index keys = 32768, length = 48;
+  for (const Index embed : kEmbedsBothFlashPaths) {
+    const mha::MultiHeadAttentionConfig config(embed, 4);
+    MultiHeadAttention<float> layer(config);
+    mha_test::randomise(layer, 91);
+    const auto exact_layer = converted<double>(layer, config);
+    const auto query = mha_test::random_tensor<float>({1, length, embed}, 92);
+    const auto key = mha_test::random_tensor<float>({1, keys, embed}, 93, 3.0);
+    const auto value = mha_test::random_tensor<float>({1, keys, embed}, 94);
+    for (const bool causal : {false, true}) {
+      INFO("causal (bottom-right) " << causal << ", E " << embed);
+      auto options = with_kernel(Kernel::flash);
+      options.is_causal = causal;
+      options.causal_alignment = mha::Alignment::bottom_right;
+      mha::ForwardOptions<double> exact_options;
+      exact_options.need_weights = false;
+      exact_options.kernel = Kernel::reference;
+      exact_options.is_causal = causal;
+      exact_options.causal_alignment = mha::Alignment::bottom_right;
+      const auto exact = exact_layer.forward(mha::tensor_cast<double>(query).view(),
+                                             mha::tensor_cast<double>(key).view(),
+                                             mha::tensor_cast<double>(value).view(), exact_options);
+      const auto result = layer.forward(query.view(), key.view(), value.view(), options);
+      const auto comparison = close_to_scale(result.output, exact.output, 1e-5);
+      INFO(comparison.message);
+      CHECK(comparison.ok);
+    }
   }
 
   // Causal self-attention over 8192 tokens with all scores equal: row i is the mean of the first

@@ -25,6 +25,7 @@ struct Case {
   mha::Window window;
   mha::SparsePattern pattern;
   Index query_block, key_block;
+  bool small_heads = false;  // let D = Dv in {4, 8, 12, 16} take the small-head kernel
 };
 
 // A random global-token list and/or block layout (shared or per head) covering the positions
@@ -128,7 +129,7 @@ void check_case(const Case& c, std::uint64_t seed,
                                   layout(k.data(), total_keys, c.head_dim),
                                   layout(v.data(), total_keys, c.value_dim),
                                   layout(flash.data(), c.query_len, c.value_dim), core, scratch,
-                                  logsumexp.data(), {c.query_block, c.key_block});
+                                  logsumexp.data(), {c.query_block, c.key_block, c.small_heads});
   INFO("B " << c.batch << " H " << c.heads << " L " << c.query_len << " S " << c.key_len << "+"
             << c.extra_keys << " D " << c.head_dim << " Dv " << c.value_dim << " attn "
             << mha::mask_kind_name(c.attn_kind) << (c.per_head_mask ? " per head" : "")
@@ -137,7 +138,8 @@ void check_case(const Case& c, std::uint64_t seed,
             << (c.window.alignment == mha::Alignment::bottom_right ? " br" : "") << " globals "
             << c.pattern.global_tokens.size() << " layout block " << c.pattern.block_size
             << " blocks " << c.query_block << "x" << c.key_block << " blocked " << blocked
-            << " dropout " << core.dropout.p);
+            << " dropout " << core.dropout.p << " softcap " << core.softcap
+            << (c.small_heads ? " small heads" : ""));
   REQUIRE(flash.flat().allFinite());
   CHECK_TENSORS_CLOSE(flash, reference);
 
@@ -165,9 +167,18 @@ void check_case(const Case& c, std::uint64_t seed,
   REQUIRE(ref_q.flat().allFinite());
   REQUIRE(ref_k.flat().allFinite());
   REQUIRE(ref_v.flat().allFinite());
-  CHECK_TENSORS_CLOSE(flash_q, ref_q);
-  CHECK_TENSORS_CLOSE(flash_k, ref_k);
-  CHECK_TENSORS_CLOSE(flash_v, ref_v);
+  // Gradients sum over up to 600 rows: their absolute tolerance grows to the gradient tests'
+  // (relative to the largest element) when that exceeds the forward's (against float64, both
+  // kernels' errors are of the same size). Wholly masked cases have all-zero gradients.
+  const auto check_gradient = [](const Tensor<T>& actual, const Tensor<T>& expected) {
+    const double largest = expected.flat().cwiseAbs().maxCoeff();
+    const double atol =
+        std::max(mha_test::Tolerance<T>::atol, mha_test::GradientTolerance<T>::rtol * largest);
+    CHECK_TENSORS_CLOSE_TOL(actual, expected, mha_test::Tolerance<T>::rtol, atol);
+  };
+  check_gradient(flash_q, ref_q);
+  check_gradient(flash_k, ref_k);
+  check_gradient(flash_v, ref_v);
 }
 
 // sdpa with `options` (window, pattern, causal) against sdpa with `written`, the mask they
@@ -238,6 +249,45 @@ TEMPLATE_TEST_CASE("flash equals reference for random options and tiny blocks", 
     c.query_block = pick(1, 8);
     c.key_block = pick(1, 8);
     check_case<TestType>(c, 1000 + static_cast<std::uint64_t>(trial), scratch);
+  }
+}
+
+// The small-head kernel (D = Dv in {4, 8, 12, 16}, float) chooses its own blocks: 256 queries
+// a task, 32 scored at a time, 256 keys. Lengths up to 600 give several of each and partial
+// packets; the cases with dropout or softcap check that they fall back to the GEMM tiles.
+TEST_CASE("the small-head flash kernel equals reference for random options", "[flash]") {
+  mha::Random random(4096);
+  const MaskKind kinds[] = {MaskKind::none, MaskKind::blocked_where_true,
+                            MaskKind::allowed_where_true, MaskKind::additive};
+  const Causal causals[] = {Causal::none, Causal::top_left, Causal::bottom_right};
+  const Index head_dims[] = {4, 8, 12, 16};
+  const auto pick = [&](Index low, Index high) {
+    return low + static_cast<Index>(random.uniform() * static_cast<double>(high - low + 1));
+  };
+  std::vector<mha::detail::KernelScratch<float>> scratch;
+  for (int trial = 0; trial < 60; ++trial) {
+    Case c{};
+    c.batch = pick(1, 2);
+    c.heads = pick(1, 3);
+    c.query_len = trial % 4 == 0 ? pick(1, 40) : pick(1, 600);
+    c.key_len = trial % 4 == 1 ? pick(1, 40) : pick(1, 600);
+    c.extra_keys = pick(0, 2);
+    c.head_dim = c.value_dim = head_dims[pick(0, 3)];
+    c.attn_kind = kinds[pick(0, 3)];
+    c.per_head_mask = random.uniform() < 0.5;
+    c.padding_kind = kinds[pick(0, 3)];
+    c.causal = causals[pick(0, 2)];
+    if (random.uniform() < 0.3) {
+      c.window.left = pick(-1, 300);
+      c.window.right = pick(-1, 300);
+      c.window.alignment =
+          random.uniform() < 0.5 ? mha::Alignment::top_left : mha::Alignment::bottom_right;
+    }
+    if (random.uniform() < 0.2) c.pattern = random_pattern(c.heads, c.query_len, c.key_len, random);
+    c.query_block = 64;
+    c.key_block = 256;
+    c.small_heads = true;
+    check_case<float>(c, 5000 + static_cast<std::uint64_t>(trial), scratch);
   }
 }
 

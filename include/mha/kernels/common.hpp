@@ -368,6 +368,45 @@ struct CoreOptions {
   }
 };
 
+// Calls visit(j0, cols) for each key block that queries first_row..last_row of head h may see:
+// the input keys within causal masking's, the window's and the pattern's limits, then the extra
+// keys (bias_k, zero attention). Key blocks outside those limits are never visited: a window of
+// w keys costs O(L·w), not O(L·S), and a block layout costs what its kept blocks cost.
+template <class T, class Visit>
+void for_each_key_block(const CoreOptions<T>& options, Index h, Index key_len, Index query_len,
+                        Index first_row, Index last_row, Index block, Visit&& visit) {
+  if (!options.pattern.active()) {
+    const Index begin = options.visible_begin(query_len, first_row);
+    const Index end = options.visible_end(query_len, last_row);
+    for (Index j0 = begin; j0 < end; j0 += block) visit(j0, std::min(block, end - j0));
+  } else {
+    // Runs of the layout's blocks (or of 64 keys, so that a global key brings few others with
+    // it) that some of the queries may see, cut into visits of at most `block` keys.
+    const Index end = causal_visible_end(options.causal, options.causal_cols, query_len, last_row);
+    const Index unit =
+        options.pattern.blocks != nullptr ? options.pattern.block : std::min<Index>(block, 64);
+    Index run_begin = 0, run_end = 0;
+    const auto flush = [&] {
+      for (Index j0 = run_begin; j0 < run_end; j0 += block) {
+        visit(j0, std::min(block, run_end - j0));
+      }
+    };
+    for (Index j0 = 0; j0 < end; j0 += unit) {
+      const Index j1 = std::min(end, j0 + unit);
+      if (!options.may_see(h, query_len, first_row, last_row, j0, j1)) continue;
+      if (j0 != run_end || run_end - run_begin + (j1 - j0) > block) {
+        flush();
+        run_begin = j0;
+      }
+      run_end = j1;
+    }
+    flush();
+  }
+  for (Index j0 = options.causal_cols; j0 < key_len; j0 += block) {
+    visit(j0, std::min(block, key_len - j0));
+  }
+}
+
 // Below this many multiply-adds a parallel region costs more than it saves, and far more on a
 // loaded machine, where OpenMP's spinning threads wait for cores that other processes hold
 // (measured: a test of tiny attention problems took 50 s instead of 0.4 s at load 3.7 on two
@@ -407,7 +446,8 @@ struct KernelScratch {
   RowVector<T> exps;
   Matrix<T> grad_scores;
   Vector<T> row_dot;
-  Matrix<T> capped;  // softcap's capped scores, as add_scores leaves them
+  Matrix<T> capped;   // softcap's capped scores, as add_scores leaves them
+  Matrix<T> queries;  // the small-head flash kernel's scaled query block
   // Talking heads (kernels/talking_heads.hpp) mixes across heads, so it keeps all H heads of one
   // query block at once: logits, probabilities and mixed weights, each [H * rows, S'] (head h's
   // [rows, S'] block at rows h * rows).

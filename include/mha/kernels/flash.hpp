@@ -22,6 +22,7 @@
 
 #include "mha/kernels/common.hpp"
 #include "mha/kernels/convert.hpp"
+#include "mha/kernels/flash_small_head.hpp"
 #include "mha/softmax.hpp"
 
 namespace mha::detail {
@@ -29,9 +30,12 @@ namespace mha::detail {
 // Query and key block sizes. A [64, 256] float tile is 64 KiB: with the q, k and v blocks it
 // stays in the 1 MiB L2 for D up to 128. (PyTorch's CPU flash kernel uses kv blocks of 512 and
 // query blocks of 32 to 256.)
+// small_heads lets heads that attention_flash_small_head handles take it (whatever the block
+// sizes, which it chooses itself); the tests turn it off to run these tiles at every head size.
 struct FlashBlocks {
   Index query = 64;
   Index key = 256;
+  bool small_heads = true;
 };
 
 // Rows j0 .. j0 + count - 1 of one head's keys or values as T: the stored rows themselves, or
@@ -43,45 +47,6 @@ auto rows_as(const Head& head, Index j0, Index count, Matrix<T>& tile) {
   } else {
     widen_rows(head.data() + j0 * head.outerStride(), count, head.cols(), head.outerStride(), tile);
     return tile.topRows(count);
-  }
-}
-
-// Calls visit(j0, cols) for each key block that queries first_row..last_row of head h may see:
-// the input keys within causal masking's, the window's and the pattern's limits, then the extra
-// keys (bias_k, zero attention). Key blocks outside those limits are never visited: a window of
-// w keys costs O(L·w), not O(L·S), and a block layout costs what its kept blocks cost.
-template <class T, class Visit>
-void for_each_key_block(const CoreOptions<T>& options, Index h, Index key_len, Index query_len,
-                        Index first_row, Index last_row, Index block, Visit&& visit) {
-  if (!options.pattern.active()) {
-    const Index begin = options.visible_begin(query_len, first_row);
-    const Index end = options.visible_end(query_len, last_row);
-    for (Index j0 = begin; j0 < end; j0 += block) visit(j0, std::min(block, end - j0));
-  } else {
-    // Runs of the layout's blocks (or of 64 keys, so that a global key brings few others with
-    // it) that some of the queries may see, cut into visits of at most `block` keys.
-    const Index end = causal_visible_end(options.causal, options.causal_cols, query_len, last_row);
-    const Index unit =
-        options.pattern.blocks != nullptr ? options.pattern.block : std::min<Index>(block, 64);
-    Index run_begin = 0, run_end = 0;
-    const auto flush = [&] {
-      for (Index j0 = run_begin; j0 < run_end; j0 += block) {
-        visit(j0, std::min(block, run_end - j0));
-      }
-    };
-    for (Index j0 = 0; j0 < end; j0 += unit) {
-      const Index j1 = std::min(end, j0 + unit);
-      if (!options.may_see(h, query_len, first_row, last_row, j0, j1)) continue;
-      if (j0 != run_end || run_end - run_begin + (j1 - j0) > block) {
-        flush();
-        run_begin = j0;
-      }
-      run_end = j1;
-    }
-    flush();
-  }
-  for (Index j0 = options.causal_cols; j0 < key_len; j0 += block) {
-    visit(j0, std::min(block, key_len - j0));
   }
 }
 
@@ -99,6 +64,26 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
                      const HeadLayout<T>& out, const CoreOptions<T>& options,
                      std::vector<KernelScratch<T>>& scratch, T* logsumexp = nullptr,
                      const FlashBlocks& blocks = {}) {
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<Stored, T>) {
+    if (blocks.small_heads && Eigen::internal::packet_traits<float>::Vectorizable &&
+        q.cols == v.cols && small_head_kernel_exists(q.cols) && options.softcap == T(0) &&
+        !options.dropout.active()) {
+      const auto run = [&](auto head_dim) {
+        attention_flash_small_head<decltype(head_dim)::value>(batch, heads, q, k, v, out, options,
+                                                              scratch, logsumexp);
+      };
+      switch (q.cols) {
+        case 4:
+          return run(std::integral_constant<int, 4>{});
+        case 8:
+          return run(std::integral_constant<int, 8>{});
+        case 12:
+          return run(std::integral_constant<int, 12>{});
+        default:
+          return run(std::integral_constant<int, 16>{});
+      }
+    }
+  }
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
   const Index query_len = q.rows, key_len = k.rows, value_dim = v.cols;
   const Index masked_keys = options.causal_cols;  // keys [masked_keys, key_len) always visible
