@@ -66,8 +66,8 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
                      const FlashBlocks& blocks = {}) {
   if constexpr (std::is_same_v<T, float> && std::is_same_v<Stored, T>) {
     if (blocks.small_heads && Eigen::internal::packet_traits<float>::Vectorizable &&
-        q.cols == v.cols && small_head_kernel_exists(q.cols) && options.softcap == T(0) &&
-        !options.dropout.active()) {
+        q.cols == v.cols && small_head_kernel_exists(q.cols) && q.rows >= kSmallHeadMinQueries &&
+        options.softcap == T(0) && !options.dropout.active()) {
       const auto run = [&](auto head_dim) {
         attention_flash_small_head<decltype(head_dim)::value>(batch, heads, q, k, v, out, options,
                                                               scratch, logsumexp);

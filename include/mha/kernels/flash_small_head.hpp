@@ -69,6 +69,11 @@ Packet exp_shifted(const Packet& x, const Packet& shift) {
       p, Eigen::internal::preinterpret<Packet>(Eigen::internal::plogical_shift_left<23>(biased)));
 }
 
+// Fewer queries than this share too little of a transposed key block: measured at H = 64, D = 8,
+// S = 4096 (2 threads), the small-head kernel took 0.90x the GEMM tiles' time at 16 queries and
+// 0.57x at 256, but 1.34x at one query (a decoding step) and about 1.0x at 2 to 8.
+constexpr Index kSmallHeadMinQueries = 16;
+
 struct SmallHeadBlocks {
   static constexpr Index query = 256;      // queries per task, sharing each transposed key block
   static constexpr Index score_rows = 32;  // queries whose scores are in the tile at once
