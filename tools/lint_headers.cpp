@@ -16,6 +16,7 @@
 #include "mha/kernels/common.hpp"
 #include "mha/kernels/convert.hpp"
 #include "mha/kernels/flash.hpp"
+#include "mha/kernels/flash_small_head.hpp"
 #include "mha/kernels/gemm.hpp"
 #include "mha/kernels/reference.hpp"
 #include "mha/kernels/talking_heads.hpp"
