@@ -210,14 +210,37 @@ void check_equals_written_mask(const Tensor<T>& q, const Tensor<T>& k, const Ten
   }
 }
 
+// The options of a random case whose sizes are set: both mask kinds and shapes, key padding,
+// causal masking, a window (with chance window_chance, sides up to max_side keys or unbounded)
+// and a pattern (with chance pattern_chance).
+void randomise_options(Case& c, mha::Random& random, double window_chance, Index max_side,
+                       double pattern_chance) {
+  const MaskKind kinds[] = {MaskKind::none, MaskKind::blocked_where_true,
+                            MaskKind::allowed_where_true, MaskKind::additive};
+  const Causal causals[] = {Causal::none, Causal::top_left, Causal::bottom_right};
+  const auto pick = [&](Index low, Index high) {
+    return low + static_cast<Index>(random.uniform() * static_cast<double>(high - low + 1));
+  };
+  c.attn_kind = kinds[pick(0, 3)];
+  c.per_head_mask = random.uniform() < 0.5;
+  c.padding_kind = kinds[pick(0, 3)];
+  c.causal = causals[pick(0, 2)];
+  if (random.uniform() < window_chance) {
+    c.window.left = pick(-1, max_side);
+    c.window.right = pick(-1, max_side);
+    c.window.alignment =
+        random.uniform() < 0.5 ? mha::Alignment::top_left : mha::Alignment::bottom_right;
+  }
+  if (random.uniform() < pattern_chance) {
+    c.pattern = random_pattern(c.heads, c.query_len, c.key_len, random);
+  }
+}
+
 }  // namespace
 
 TEMPLATE_TEST_CASE("flash equals reference for random options and tiny blocks", "[flash]", float,
                    double) {
   mha::Random random(2024);
-  const MaskKind kinds[] = {MaskKind::none, MaskKind::blocked_where_true,
-                            MaskKind::allowed_where_true, MaskKind::additive};
-  const Causal causals[] = {Causal::none, Causal::top_left, Causal::bottom_right};
   const auto pick = [&](Index low, Index high) {
     return low + static_cast<Index>(random.uniform() * static_cast<double>(high - low + 1));
   };
@@ -231,21 +254,8 @@ TEMPLATE_TEST_CASE("flash equals reference for random options and tiny blocks", 
     c.extra_keys = pick(0, 2);
     c.head_dim = pick(1, 6);
     c.value_dim = pick(1, 5);
-    c.attn_kind = kinds[pick(0, 3)];
-    c.per_head_mask = random.uniform() < 0.5;
-    c.padding_kind = kinds[pick(0, 3)];
-    c.causal = causals[pick(0, 2)];
-    // A window in half the cases, one side unbounded in some.
-    if (random.uniform() < 0.5) {
-      c.window.left = pick(-1, 6);
-      c.window.right = pick(-1, 6);
-      c.window.alignment =
-          random.uniform() < 0.5 ? mha::Alignment::top_left : mha::Alignment::bottom_right;
-    }
-    // Global tokens or a block layout in a third of the cases.
-    if (random.uniform() < 1.0 / 3) {
-      c.pattern = random_pattern(c.heads, c.query_len, c.key_len, random);
-    }
+    // A window in half the cases, global tokens or a block layout in a third.
+    randomise_options(c, random, 0.5, 6, 1.0 / 3);
     c.query_block = pick(1, 8);
     c.key_block = pick(1, 8);
     check_case<TestType>(c, 1000 + static_cast<std::uint64_t>(trial), scratch);
@@ -257,9 +267,6 @@ TEMPLATE_TEST_CASE("flash equals reference for random options and tiny blocks", 
 // packets; the cases with dropout or softcap check that they fall back to the GEMM tiles.
 TEST_CASE("the small-head flash kernel equals reference for random options", "[flash]") {
   mha::Random random(4096);
-  const MaskKind kinds[] = {MaskKind::none, MaskKind::blocked_where_true,
-                            MaskKind::allowed_where_true, MaskKind::additive};
-  const Causal causals[] = {Causal::none, Causal::top_left, Causal::bottom_right};
   const Index head_dims[] = {4, 8, 12, 16};
   const auto pick = [&](Index low, Index high) {
     return low + static_cast<Index>(random.uniform() * static_cast<double>(high - low + 1));
@@ -273,17 +280,7 @@ TEST_CASE("the small-head flash kernel equals reference for random options", "[f
     c.key_len = trial % 4 == 1 ? pick(1, 40) : pick(1, 600);
     c.extra_keys = pick(0, 2);
     c.head_dim = c.value_dim = head_dims[pick(0, 3)];
-    c.attn_kind = kinds[pick(0, 3)];
-    c.per_head_mask = random.uniform() < 0.5;
-    c.padding_kind = kinds[pick(0, 3)];
-    c.causal = causals[pick(0, 2)];
-    if (random.uniform() < 0.3) {
-      c.window.left = pick(-1, 300);
-      c.window.right = pick(-1, 300);
-      c.window.alignment =
-          random.uniform() < 0.5 ? mha::Alignment::top_left : mha::Alignment::bottom_right;
-    }
-    if (random.uniform() < 0.2) c.pattern = random_pattern(c.heads, c.query_len, c.key_len, random);
+    randomise_options(c, random, 0.3, 300, 0.2);
     c.query_block = 64;
     c.key_block = 256;
     c.small_heads = true;
