@@ -288,6 +288,35 @@ TEST_CASE("the small-head flash kernel equals reference for random options", "[f
   }
 }
 
+TEST_CASE("the small-head flash kernel reads grouped-query key heads", "[flash][gqa]") {
+  // Query head h reads stored key/value head h / group, as the layer's GQA lays them out.
+  const Index batch = 2, heads = 6, kv_heads = 2, query_len = 40, key_len = 300, head_dim = 8;
+  const auto q = mha_test::random_tensor<float>({batch, heads, query_len, head_dim}, 1);
+  const auto k = mha_test::random_tensor<float>({batch, kv_heads, key_len, head_dim}, 2);
+  const auto v = mha_test::random_tensor<float>({batch, kv_heads, key_len, head_dim}, 3);
+  const auto grouped = [&](const float* data) {
+    auto layout = mha::detail::contiguous_heads(data, kv_heads, key_len, head_dim);
+    layout.group = heads / kv_heads;
+    return layout;
+  };
+  const auto queries = [&](auto* data) {
+    return mha::detail::contiguous_heads(data, heads, query_len, head_dim);
+  };
+  mha::detail::CoreOptions<float> core;
+  core.scale = 0.35F;
+  core.causal = Causal::bottom_right;
+  core.causal_cols = key_len;
+  std::vector<mha::detail::KernelScratch<float>> scratch;
+  Tensor<float> reference({batch, heads, query_len, head_dim});
+  Tensor<float> flash({batch, heads, query_len, head_dim});
+  mha::detail::attention_reference<float>(batch, heads, queries(q.data()), grouped(k.data()),
+                                          grouped(v.data()), queries(reference.data()), core,
+                                          nullptr, scratch);
+  mha::detail::attention_flash<float>(batch, heads, queries(q.data()), grouped(k.data()),
+                                      grouped(v.data()), queries(flash.data()), core, scratch);
+  CHECK_TENSORS_CLOSE(flash, reference);
+}
+
 TEMPLATE_TEST_CASE("flash equals reference through sdpa at sizes that span several blocks",
                    "[flash]", float, double) {
   for (const Causal causal : {Causal::none, Causal::top_left, Causal::bottom_right}) {
