@@ -64,6 +64,8 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
                      const HeadLayout<T>& out, const CoreOptions<T>& options,
                      std::vector<KernelScratch<T>>& scratch, T* logsumexp = nullptr,
                      const FlashBlocks& blocks = {}) {
+  // Small float heads run the register kernel of flash_small_head.hpp instead of these tiles,
+  // whose D-deep products cost more than their arithmetic there (bench/RESULTS.md, 2026-12-01).
   if constexpr (std::is_same_v<T, float> && std::is_same_v<Stored, T>) {
     if (blocks.small_heads && Eigen::internal::packet_traits<float>::Vectorizable &&
         q.cols == v.cols && small_head_kernel_exists(q.cols) && q.rows >= kSmallHeadMinQueries &&
