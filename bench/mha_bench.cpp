@@ -184,6 +184,39 @@ void sdpa(benchmark::State& state, mha::Kernel kernel) {
   set_flops(state, static_cast<double>(B) * 4 * n * n * e);
 }
 
+// The flash kernel's two paths for small heads, the attention core alone (mha::detail): the GEMM
+// tiles (attention_flash with FlashBlocks::small_heads off) against the small-head kernel
+// (attention_flash_small_head, called directly, so also below the query count from which
+// attention_flash would choose it), H = 64, D = 8, S = 4096 keys, L = range(0) queries. Where the
+// small-head kernel starts to pay: the source of kSmallHeadMinQueries.
+void small_heads(benchmark::State& state, bool small_head_kernel) {
+  const mha::Index H = 64, D = 8, S = 4096, L = state.range(0);
+  const auto q = random_tensor({1, H, L, D}, 1), k = random_tensor({1, H, S, D}, 2),
+             v = random_tensor({1, H, S, D}, 3);
+  mha::Tensor<float> out({1, H, L, D});
+  mha::detail::CoreOptions<float> core;
+  core.causal_cols = S;
+  core.scale = 0.35F;
+  std::vector<mha::detail::KernelScratch<float>> scratch;
+  const auto heads = [H](auto* data, mha::Index rows) {
+    return mha::detail::contiguous_heads(data, H, rows, mha::Index{8});
+  };
+  const auto q_heads = heads(q.data(), L), k_heads = heads(k.data(), S),
+             v_heads = heads(v.data(), S);
+  const auto out_heads = heads(out.data(), L);
+  for (auto _ : state) {
+    if (small_head_kernel) {
+      mha::detail::attention_flash_small_head<8, float>(
+          1, H, q_heads, k_heads, v_heads, out_heads, core, scratch, static_cast<float*>(nullptr));
+    } else {
+      mha::detail::attention_flash<float>(1, H, q_heads, k_heads, v_heads, out_heads, core, scratch,
+                                          nullptr, {64, 256, false});
+    }
+    benchmark::DoNotOptimize(out.data());
+  }
+  set_flops(state, 4.0 * static_cast<double>(H * D * L * S));
+}
+
 // Causal sliding-window attention alone (scaled_dot_product_attention, flash kernel), B = 1,
 // H = 8, D = 64, L = range(0), each query seeing the range(1) keys before it and itself (window
 // left = w, -1 for full causal attention). The kernel skips key blocks wholly outside the window,
@@ -487,6 +520,16 @@ BENCHMARK_CAPTURE(sdpa, reference, mha::Kernel::reference)
     ->Name("sdpa/reference")
     ->Apply(default_shapes);
 BENCHMARK_CAPTURE(sdpa, flash, mha::Kernel::flash)->Name("sdpa/flash")->Apply(default_shapes);
+BENCHMARK_CAPTURE(small_heads, gemm_tiles, false)
+    ->Name("small_heads/gemm_tiles")
+    ->ArgName("L")
+    ->RangeMultiplier(2)
+    ->Range(1, 256);
+BENCHMARK_CAPTURE(small_heads, small_head_kernel, true)
+    ->Name("small_heads/small_head_kernel")
+    ->ArgName("L")
+    ->RangeMultiplier(2)
+    ->Range(1, 256);
 BENCHMARK(window)
     ->Name("window/flash")
     ->ArgNames({"L", "w"})

@@ -70,9 +70,10 @@ Packet exp_shifted(const Packet& x, const Packet& shift) {
       p, Eigen::internal::preinterpret<Packet>(Eigen::internal::plogical_shift_left<23>(biased)));
 }
 
-// Fewer queries than this share too little of a transposed key block: measured at H = 64, D = 8,
-// S = 4096 (2 threads), the small-head kernel took 0.90x the GEMM tiles' time at 16 queries and
-// 0.57x at 256, but 1.34x at one query (a decoding step) and about 1.0x at 2 to 8.
+// Fewer queries than this share too little of a transposed key block: in mha_bench's
+// small_heads/ (H = 64, D = 8, S = 4096, 2 threads) the small-head kernel took 0.83x the GEMM
+// tiles' time at 16 queries and 0.58x at 256, but 1.31x at one query (a decoding step) and 0.94x
+// to 1.19x at 2 to 8 (bench/RESULTS.md).
 constexpr Index kSmallHeadMinQueries = 16;
 
 struct SmallHeadBlocks {
@@ -138,6 +139,7 @@ void attention_flash_small_head(Index batch, Index heads, const HeadLayout<const
       const auto process = [&](Index j0, Index cols) {
         // Transpose the block, zero-padded to whole packets (padded keys get -inf scores below).
         const Index padded = (cols + lanes - 1) / lanes * lanes;
+        // (A plain loop: Eigen's transpose assignment made E = 512, L = 2048, H = 64 18 % slower.)
         for (Index j = 0; j < padded; ++j) {
           for (Index d = 0; d < D; ++d) {
             mine.key_tile(d, j) = j < cols ? k_bh(j0 + j, d) : T(0);
@@ -188,7 +190,7 @@ void attention_flash_small_head(Index batch, Index heads, const HeadLayout<const
             if (block_max == kNegInf) {
               // As in attention_flash: the maximum may have skipped a NaN, which must reach the
               // output; otherwise nothing in this block is visible to the row.
-              if (std::any_of(score, score + cols, [](T s) { return std::isnan(s); })) {
+              if (tile.row(r).hasNaN()) {
                 sum_lanes[0] = std::numeric_limits<T>::quiet_NaN();
               }
               continue;
