@@ -15,6 +15,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "mha/compiled.hpp"
 #include "mha/kernels/flash.hpp"
 #include "mha/kernels/reference.hpp"
 #include "mha/kernels/talking_heads.hpp"
@@ -122,6 +123,26 @@ void attention_backward(Kernel kernel, Index batch, Index heads, const HeadLayou
                                     options, scratch);
   }
 }
+
+// The instantiations mha::compiled holds (src/kernels_*.cpp; see mha/compiled.hpp): the
+// kernels, through the two functions every caller reaches them by.
+#define MHA_KERNEL_TEMPLATES(PREFIX, T)                                                     \
+  PREFIX template void attention<T>(Kernel, Index, Index, const HeadLayout<const T>&,       \
+                                    const HeadLayout<const T>&, const HeadLayout<const T>&, \
+                                    const HeadLayout<T>&, const CoreOptions<T>&, T*,        \
+                                    std::vector<KernelScratch<T>>&, T*);                    \
+  PREFIX template void attention_backward<T>(                                               \
+      Kernel, Index, Index, const HeadLayout<const T>&, const HeadLayout<const T>&,         \
+      const HeadLayout<const T>&, const HeadLayout<const T>&, const HeadLayout<const T>&,   \
+      const T*, const HeadLayout<T>&, const HeadLayout<T>&, const HeadLayout<T>&,           \
+      const CoreOptions<T>&, std::vector<KernelScratch<T>>&, T*, T*);
+#define MHA_STORED_KERNEL_TEMPLATES(PREFIX, Stored)                                          \
+  PREFIX template void attention<float, Stored>(                                             \
+      Kernel, Index, Index, const HeadLayout<const float>&, const HeadLayout<const Stored>&, \
+      const HeadLayout<const Stored>&, const HeadLayout<float>&, const CoreOptions<float>&,  \
+      float*, std::vector<KernelScratch<float>>&, float*);
+MHA_EXTERN_TEMPLATES(MHA_COMPUTE_TYPES, MHA_KERNEL_TEMPLATES)
+MHA_EXTERN_TEMPLATES(MHA_STORED_16BIT_TYPES, MHA_STORED_KERNEL_TEMPLATES)
 
 inline void check_dropout(double p) {
   if (!(p >= 0 && p <= 1)) {
@@ -383,5 +404,14 @@ AttentionGradients<T> scaled_dot_product_attention_backward(
       problem.kv_heads_of(grads.value.data(), key_len, problem.value_dim), problem.core, scratch);
   return grads;
 }
+
+// The instantiations mha::compiled holds (src/attention.cpp; see mha/compiled.hpp).
+#define MHA_SDPA_TEMPLATES(PREFIX, T)                                                             \
+  PREFIX template AttentionResult<T> scaled_dot_product_attention<T>(                             \
+      TensorView<const T>, TensorView<const T>, TensorView<const T>, const AttentionOptions<T>&); \
+  PREFIX template AttentionGradients<T> scaled_dot_product_attention_backward<T>(                 \
+      TensorView<const T>, TensorView<const T>, TensorView<const T>, const AttentionResult<T>&,   \
+      TensorView<const T>, const AttentionOptions<T>&);
+MHA_EXTERN_TEMPLATES(MHA_COMPUTE_TYPES, MHA_SDPA_TEMPLATES)
 
 }  // namespace mha

@@ -28,8 +28,10 @@
 
 namespace mha {
 
+namespace detail {
 template <class T>
-class MultiHeadAttention;
+struct Decoding;
+}  // namespace detail
 
 template <class T>
 class KVCache {
@@ -109,7 +111,7 @@ class KVCache {
   }
 
  private:
-  friend class MultiHeadAttention<T>;
+  friend struct detail::Decoding<T>;  // a decoding step writes the rows and uses the buffers
 
   std::size_t checked(Index b) const {
     if (b < 0 || b >= batch()) {

@@ -20,6 +20,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "mha/compiled.hpp"
 #include "mha/kernels/common.hpp"
 #include "mha/kernels/convert.hpp"
 #include "mha/kernels/flash_small_head.hpp"
@@ -306,5 +307,24 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
     }
   }
 }
+
+// The instantiations mha::compiled holds (src/kernels_flash_*.cpp; see mha/compiled.hpp).
+#define MHA_FLASH_KERNEL_TEMPLATES(PREFIX, T)                                             \
+  PREFIX template void attention_flash<T, T>(                                             \
+      Index, Index, const HeadLayout<const T>&, const HeadLayout<const T>&,               \
+      const HeadLayout<const T>&, const HeadLayout<T>&, const CoreOptions<T>&,            \
+      std::vector<KernelScratch<T>>&, T*, const FlashBlocks&);                            \
+  PREFIX template void attention_flash_backward<T>(                                       \
+      Index, Index, const HeadLayout<const T>&, const HeadLayout<const T>&,               \
+      const HeadLayout<const T>&, const HeadLayout<const T>&, const HeadLayout<const T>&, \
+      const T*, const HeadLayout<T>&, const HeadLayout<T>&, const HeadLayout<T>&,         \
+      const CoreOptions<T>&, std::vector<KernelScratch<T>>&, const FlashBlocks&);
+#define MHA_STORED_FLASH_KERNEL_TEMPLATES(PREFIX, Stored)                                   \
+  PREFIX template void attention_flash<float, Stored>(                                      \
+      Index, Index, const HeadLayout<const float>&, const HeadLayout<const Stored>&,        \
+      const HeadLayout<const Stored>&, const HeadLayout<float>&, const CoreOptions<float>&, \
+      std::vector<KernelScratch<float>>&, float*, const FlashBlocks&);
+MHA_EXTERN_TEMPLATES(MHA_COMPUTE_TYPES, MHA_FLASH_KERNEL_TEMPLATES)
+MHA_EXTERN_TEMPLATES(MHA_STORED_16BIT_TYPES, MHA_STORED_FLASH_KERNEL_TEMPLATES)
 
 }  // namespace mha::detail

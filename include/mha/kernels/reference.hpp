@@ -3,6 +3,7 @@
 // backward.
 #pragma once
 
+#include "mha/compiled.hpp"
 #include "mha/kernels/common.hpp"
 #include "mha/softmax.hpp"
 
@@ -129,5 +130,18 @@ void attention_reference_backward(Index batch, Index heads, const HeadLayout<con
     }
   }
 }
+
+// The instantiations mha::compiled holds (src/kernels_reference.cpp; see mha/compiled.hpp).
+#define MHA_REFERENCE_KERNEL_TEMPLATES(PREFIX, T)                                   \
+  PREFIX template void attention_reference<T>(                                      \
+      Index, Index, const HeadLayout<const T>&, const HeadLayout<const T>&,         \
+      const HeadLayout<const T>&, const HeadLayout<T>&, const CoreOptions<T>&, T*,  \
+      std::vector<KernelScratch<T>>&);                                              \
+  PREFIX template void attention_reference_backward<T>(                             \
+      Index, Index, const HeadLayout<const T>&, const HeadLayout<const T>&,         \
+      const HeadLayout<const T>&, const HeadLayout<const T>&, const HeadLayout<T>&, \
+      const HeadLayout<T>&, const HeadLayout<T>&, const CoreOptions<T>&,            \
+      std::vector<KernelScratch<T>>&);
+MHA_EXTERN_TEMPLATES(MHA_COMPUTE_TYPES, MHA_REFERENCE_KERNEL_TEMPLATES)
 
 }  // namespace mha::detail

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "mha/compiled.hpp"
 #include "mha/kernels/common.hpp"
 #include "mha/softmax.hpp"
 
@@ -319,5 +320,18 @@ void attention_talking_heads_backward(Index batch, Index heads, const HeadLayout
   if (want_pre) sum_rows(grad_pre, 0);
   if (want_post) sum_rows(grad_post, 1);
 }
+
+// The instantiations mha::compiled holds (src/kernels_talking_heads.cpp; see mha/compiled.hpp).
+#define MHA_TALKING_HEADS_KERNEL_TEMPLATES(PREFIX, T)                                            \
+  PREFIX template void attention_talking_heads<T>(                                               \
+      Index, Index, const HeadLayout<const T>&, const HeadLayout<const T>&,                      \
+      const HeadLayout<const T>&, const HeadLayout<T>&, const CoreOptions<T>&,                   \
+      const TalkingHeads<T>&, T*, std::vector<KernelScratch<T>>&);                               \
+  PREFIX template void attention_talking_heads_backward<T>(                                      \
+      Index, Index, const HeadLayout<const T>&, const HeadLayout<const T>&,                      \
+      const HeadLayout<const T>&, const HeadLayout<const T>&, const HeadLayout<T>&,              \
+      const HeadLayout<T>&, const HeadLayout<T>&, const CoreOptions<T>&, const TalkingHeads<T>&, \
+      T*, T*, std::vector<KernelScratch<T>>&);
+MHA_EXTERN_TEMPLATES(MHA_COMPUTE_TYPES, MHA_TALKING_HEADS_KERNEL_TEMPLATES)
 
 }  // namespace mha::detail

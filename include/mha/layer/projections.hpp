@@ -1,0 +1,137 @@
+// The layer's projections y = x Wᵀ + b, each with its backward beside it:
+//   queries  [B*L, E]    -> [B*L, H·D]
+//   keys     [B*S, kdim] -> [B*S', H_kv·D], and values [B*S, vdim] likewise: after each batch's S
+//            projected rows come bias_k / bias_v (add_bias_kv), then a zero row (add_zero_attn)
+//   output   [B*L, H·D]  -> [B*L, E]
+// A 16-bit layer projects in float: its inputs are widened once, its weights as they are
+// multiplied (product_transposed in kernels/gemm.hpp), and its output is rounded once.
+#pragma once
+
+#include "mha/kernels/convert.hpp"
+#include "mha/kernels/gemm.hpp"
+#include "mha/layer/parameters.hpp"
+#include "mha/tensor.hpp"
+
+namespace mha::detail {
+
+// An input [.., width] as [rows, width] in Compute: the tensor itself, or (16-bit layers) its
+// conversion into `buffer`.
+template <class T>
+Eigen::Map<const Matrix<compute_t<T>>> as_compute(const TensorView<const T>& input,
+                                                  Matrix<compute_t<T>>& buffer) {
+  if constexpr (is_16bit_v<T>) {
+    const auto rows = input.matrix();
+    buffer.resize(rows.rows(), rows.cols());
+    widen(input.data(), input.size(), buffer.data());
+    return {buffer.data(), buffer.rows(), buffer.cols()};
+  } else {
+    return input.matrix();
+  }
+}
+
+// rows [n, width of projection `which`] += the projection's bias (nothing without bias).
+template <class T, class Rows>
+void add_bias(const LayerParameters<T>& parameters, Rows& rows, int which) {
+  if (!parameters.config().bias) return;
+  rows.rowwise() += Eigen::Map<const RowVector<T>>(
+                        parameters.values().in_proj_bias.data() + parameters.bias_offset(which),
+                        parameters.projection_width(which))
+                        .template cast<compute_t<T>>();
+}
+
+// input [B*S, width] projected by W_k or W_v (which = 1, 2) into projected [B*S', H_kv·D]: for
+// each batch its S rows, then extra_row (bias_k or bias_v, with add_bias_kv), then a zero row
+// (add_zero_attn).
+template <class T>
+void project_keys(const LayerParameters<T>& parameters,
+                  const Eigen::Map<const Matrix<compute_t<T>>>& input, int which, Index batch,
+                  Index key_len, Index total_keys, const Tensor<T>& extra_row,
+                  Matrix<compute_t<T>>& projected,
+                  std::vector<KernelScratch<compute_t<T>>>& scratch) {
+  using Compute = compute_t<T>;
+  const MultiHeadAttentionConfig& config = parameters.config();
+  const Index width = input.cols();
+  projected.resize(batch * total_keys, parameters.kv_dim());
+  const auto weight = parameters.weight_rows(which);
+  if (total_keys == key_len) {  // no extra rows: one GEMM over every batch
+    product_transposed(projected, input, weight, Accumulate::no, scratch);
+    add_bias(parameters, projected, which);
+    return;
+  }
+  for (Index b = 0; b < batch; ++b) {
+    auto rows = projected.middleRows(b * total_keys, key_len);
+    product_transposed(
+        rows, Eigen::Map<const Matrix<Compute>>(input.data() + b * key_len * width, key_len, width),
+        weight, Accumulate::no, scratch);
+    add_bias(parameters, rows, which);
+    Index next = b * total_keys + key_len;
+    if (config.add_bias_kv) {
+      projected.row(next++) = extra_row.flat().transpose().template cast<Compute>();
+    }
+    if (config.add_zero_attn) projected.row(next).setZero();
+  }
+}
+
+// The backward of one projection y = x Wᵀ + b (which = 0, 1, 2 for q, k, v), where grad_y is
+// [B*rows', E or H_kv·D] with rows' = total_rows per batch: the first `rows` of each batch came
+// from input [B, rows, width]; a bias_k/bias_v row follows (add_bias_kv), then the zero row.
+//   grad W += grad_yᵀ x,  grad b += colsum(grad_y),  grad x = grad_y W
+template <class T>
+void backward_projection(LayerParameters<T>& parameters, const Matrix<T>& grad_y,
+                         const Tensor<T>& input, int which, Index batch, Index rows,
+                         Index total_rows, Tensor<T>& grad_input) {
+  ParameterSet<T>& grads = parameters.grads();
+  const MultiHeadAttentionConfig& config = parameters.config();
+  auto grad_weight = parameters.projection(grads, which);
+  const auto weight = parameters.weight_rows(which);
+  const Index width = weight.cols();
+  const auto accumulate_bias = [&](const auto& grad_rows) {
+    if (!config.bias || grad_rows.rows() == 0) return;
+    Eigen::Map<RowVector<T>>(grads.in_proj_bias.data() + parameters.bias_offset(which),
+                             parameters.projection_width(which)) += grad_rows.colwise().sum();
+  };
+  if (total_rows == rows) {  // no extra rows: one GEMM over every batch
+    threaded_product(grad_weight, grad_y.transpose(), input.matrix(), Accumulate::yes);
+    accumulate_bias(grad_y);
+    threaded_product(grad_input.matrix(), grad_y, weight, Accumulate::no);
+    return;
+  }
+  Tensor<T>& grad_extra = which == 1 ? grads.bias_k : grads.bias_v;
+  for (Index b = 0; b < batch; ++b) {
+    const auto grad_rows = grad_y.middleRows(b * total_rows, rows);
+    const Eigen::Map<const Matrix<T>> input_rows(input.data() + b * rows * width, rows, width);
+    threaded_product(grad_weight, grad_rows.transpose(), input_rows, Accumulate::yes);
+    accumulate_bias(grad_rows);
+    threaded_product(Eigen::Map<Matrix<T>>(grad_input.data() + b * rows * width, rows, width),
+                     grad_rows, weight, Accumulate::no);
+    // The zero row is a constant: its gradient goes nowhere.
+    if (config.add_bias_kv && which > 0) {
+      grad_extra.flat() += grad_y.row(b * total_rows + rows).transpose();
+    }
+  }
+}
+
+// output (shape [.., E]) = heads_output [rows, H·D] W_oᵀ + b_o; a 16-bit layer computes it in
+// `buffer` and rounds it once into output.
+template <class T>
+void project_output(const LayerParameters<T>& parameters, const Matrix<compute_t<T>>& heads_output,
+                    Tensor<T>& output, Matrix<compute_t<T>>& buffer,
+                    std::vector<KernelScratch<compute_t<T>>>& scratch) {
+  const ParameterSet<T>& values = parameters.values();
+  const auto project = [&](auto&& rows) {
+    product_transposed(rows, heads_output, values.out_proj_weight.matrix(), Accumulate::no,
+                       scratch);
+    if (parameters.config().bias) {
+      rows.rowwise() += values.out_proj_bias.flat().transpose().template cast<compute_t<T>>();
+    }
+  };
+  if constexpr (is_16bit_v<T>) {
+    buffer.resize(heads_output.rows(), parameters.embed_dim());
+    project(buffer);
+    narrow(buffer.data(), buffer.size(), output.data());
+  } else {
+    project(output.matrix());
+  }
+}
+
+}  // namespace mha::detail

@@ -1,0 +1,248 @@
+// Training the layer: forward_train keeps what backward needs in a SavedForward the caller owns
+// (copies of the inputs and options, the projections, the heads' outputs, the flash kernel's
+// log-sum-exp, the dropout seed), and applies dropout; backward returns the inputs' gradients
+// (InputGradients, with the inputs' shapes) and adds the parameters' into the layer's gradients.
+// float and double only: the 16-bit layers serve inference.
+//
+// backward runs the forward's steps in reverse, each with the forward line it differentiates:
+//   output = attended W_oᵀ + b_o           -> grad W_o, grad b_o, grad attended
+//   gated_h = gate_h attended_h            -> grad gate, grad attended_h
+//   attended = heads(q, k, v)              -> the kernel's backward: grad q, k, v (and the mixes)
+//   q, k = rope(q, k)                      -> the inverse rotation of their gradients
+//   q, k, v = x Wᵀ + b (+ bias_k, zero)    -> grad W, grad b (grad bias_k/v), grad x
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "mha/compiled.hpp"
+#include "mha/layer/forward.hpp"
+#include "mha/layer/parameters.hpp"
+#include "mha/layer/projections.hpp"
+
+namespace mha {
+
+template <class T>
+class MultiHeadAttention;
+
+// d loss / d query, key and value, with the inputs' shapes.
+template <class T>
+struct InputGradients {
+  Tensor<T> query, key, value;
+  Tensor<T> head_gate;  // [H] with ForwardOptions::head_gate, else empty
+};
+
+namespace detail {
+
+// What a SavedForward holds; buffers that repeated forward_train / backward pairs reuse.
+template <class T>
+struct SavedState {
+  const void* layer = nullptr;  // the layer whose forward_train filled it; null until one did
+  ForwardPlan plan;
+  ForwardOptions<T> options;
+  Dropout<T> dropout;
+  Tensor<T> query, key, value;  // key and value stay empty when fused (they were query)
+  Workspace<T> workspace;       // projections and the heads' outputs, from the forward
+  Tensor<T> logsumexp;          // (B, H, L), flash kernel only
+  Matrix<T> grad_attended, grad_qkv, grad_q, grad_k, grad_v;
+};
+
+}  // namespace detail
+
+// What backward needs from a forward_train. It belongs to one layer and one thread; reusing it
+// for the next forward_train reuses its buffers.
+template <class T>
+class SavedForward {
+ public:
+  // True once a forward_train has filled it.
+  bool filled() const { return state_.layer != nullptr; }
+
+ private:
+  friend class MultiHeadAttention<T>;
+  detail::SavedState<T> state_;
+};
+
+namespace detail {
+
+// forward_train of `layer` (its address marks `saved` as its own): the forward pass with
+// dropout drawn from `dropout_random`, keeping copies of the inputs and options in `saved`.
+template <class T>
+ForwardResult<T> forward_train(LayerParameters<T>& parameters, const void* layer,
+                               Random& dropout_random, const TensorView<const T>& query,
+                               const TensorView<const T>& key, const TensorView<const T>& value,
+                               const ForwardOptions<T>& options, SavedState<T>& saved) {
+  const MultiHeadAttentionConfig& config = parameters.config();
+  saved.layer = nullptr;  // unusable until this call succeeds
+  const ForwardPlan plan = plan_forward(parameters, query, key, value, options);
+  saved.options = options;  // the masks too: core's layouts point into this copy
+  CoreOptions<T> core = core_options(parameters, plan, saved.options);
+  if (config.dropout > 0) {
+    core.dropout = {config.dropout, dropout_random.next_u64(), config.num_heads, plan.query_len,
+                    plan.total_keys};
+  }
+  // Copies into the saved tensors' own storage: the same shapes as last time allocate nothing.
+  const auto keep = [](Tensor<T>& kept, const TensorView<const T>& input) {
+    kept.resize(input.shape());
+    if (input.size() > 0) std::copy(input.data(), input.data() + input.size(), kept.data());
+  };
+  keep(saved.query, query);
+  if (!plan.fused) {
+    keep(saved.key, key);
+    keep(saved.value, value);
+  }
+  if (plan.kernel == Kernel::flash) {
+    saved.logsumexp.resize({plan.batch, config.num_heads, plan.query_len});
+  }
+  ForwardResult<T> result;
+  const TensorView<const T> saved_query = saved.query.view();
+  run_forward(parameters, plan, core, saved_query, plan.fused ? saved_query : saved.key.view(),
+              plan.fused ? saved_query : saved.value.view(), saved.options, saved.workspace, result,
+              plan.kernel == Kernel::flash ? saved.logsumexp.data() : nullptr);
+  parameters.ensure_gradients();
+  saved.plan = plan;
+  saved.dropout = core.dropout;
+  saved.layer = layer;
+  return result;
+}
+
+// The gradients of loss = sum(output ∘ grad_output) for the forward_train of `layer` that filled
+// `saved`: returned for the inputs (for query, key and value separately even when they were one
+// tensor; the shared tensor's gradient is their sum), and added into the parameters' gradients.
+template <class T>
+InputGradients<T> backward(LayerParameters<T>& parameters, const void* layer, SavedState<T>& saved,
+                           const TensorView<const T>& grad_output) {
+  if (saved.layer != layer) {
+    throw_argument("saved", saved.layer == nullptr ? "holds no successful forward_train"
+                                                   : "was filled by another layer's forward_train");
+  }
+  const MultiHeadAttentionConfig& config = parameters.config();
+  const ParameterSet<T>& values = parameters.values();
+  ParameterSet<T>& grads = parameters.grads();
+  const ForwardPlan& plan = saved.plan;
+  check_shape("grad_output", plan.query_shape, grad_output.shape());
+  CoreOptions<T> core = core_options(parameters, plan, saved.options);
+  core.dropout = saved.dropout;
+  const Index heads = config.num_heads, head_dim = config.head_dim;
+  const Index rows = plan.batch * plan.query_len;
+  const Index inner = parameters.inner_dim(), kv_width = parameters.kv_dim();
+  const Workspace<T>& forward = saved.workspace;
+
+  // output = attended W_oᵀ + b_o
+  const std::vector<T>& gate = saved.options.head_gate;
+  const auto grad_out = grad_output.matrix();
+  threaded_product(grads.out_proj_weight.matrix(), grad_out.transpose(),
+                   gate.empty() ? forward.attended : forward.gated, Accumulate::yes);
+  // Column sums of no rows (B or L = 0) are skipped: Eigen's reduction of an empty matrix
+  // offsets its null data pointer, which is undefined.
+  if (config.bias && rows > 0) grads.out_proj_bias.flat() += grad_out.colwise().sum().transpose();
+  Matrix<T>& grad_attended = saved.grad_attended;
+  grad_attended.resize(rows, inner);
+  threaded_product(grad_attended, grad_out, values.out_proj_weight.matrix(), Accumulate::no);
+  // gated_h = gate_h attended_h: the gate's gradient is sum(grad_gated_h ∘ attended_h), and the
+  // heads' own gradient is gate_h grad_gated_h.
+  Tensor<T> grad_gate;
+  if (!gate.empty()) {
+    grad_gate.resize({heads});
+    for (Index h = 0; h < heads; ++h) {
+      auto grad_head = grad_attended.middleCols(h * head_dim, head_dim);
+      grad_gate.data()[h] =
+          grad_head.cwiseProduct(forward.attended.middleCols(h * head_dim, head_dim)).sum();
+      grad_head *= gate[static_cast<std::size_t>(h)];
+    }
+  }
+
+  // the heads: gradients of q, k and v in buffers laid out as the forward's projections
+  const T* q_data;
+  const T* k_data;
+  const T* v_data;
+  T* grad_q_data;
+  T* grad_k_data;
+  T* grad_v_data;
+  Index q_stride = inner, kv_stride = kv_width;
+  if (plan.fused) {
+    saved.grad_qkv.resize(rows, inner + 2 * kv_width);
+    q_data = forward.qkv.data();
+    grad_q_data = saved.grad_qkv.data();
+    k_data = offset_pointer(q_data, parameters.bias_offset(1));
+    v_data = offset_pointer(q_data, parameters.bias_offset(2));
+    grad_k_data = offset_pointer(grad_q_data, parameters.bias_offset(1));
+    grad_v_data = offset_pointer(grad_q_data, parameters.bias_offset(2));
+    q_stride = kv_stride = inner + 2 * kv_width;
+  } else {
+    saved.grad_q.resize(rows, inner);
+    saved.grad_k.resize(plan.batch * plan.total_keys, kv_width);
+    saved.grad_v.resize(plan.batch * plan.total_keys, kv_width);
+    q_data = forward.q.data();
+    k_data = forward.k.data();
+    v_data = forward.v.data();
+    grad_q_data = saved.grad_q.data();
+    grad_k_data = saved.grad_k.data();
+    grad_v_data = saved.grad_v.data();
+  }
+  const Index query_len = plan.query_len, total_keys = plan.total_keys;
+  Tensor<T> grad_pre, grad_post;  // [H, H] with talking heads, else empty (null)
+  if (config.talking_heads_pre) grad_pre.resize({heads, heads});
+  if (config.talking_heads_post) grad_post.resize({heads, heads});
+  attention_backward<T>(
+      plan.kernel, plan.batch, heads, parameters.head_layout(q_data, query_len, q_stride),
+      parameters.kv_head_layout(k_data, total_keys, kv_stride),
+      parameters.kv_head_layout(v_data, total_keys, kv_stride),
+      parameters.head_layout(forward.attended.data(), query_len, inner),
+      parameters.template head_layout<const T>(grad_attended.data(), query_len, inner),
+      saved.logsumexp.data(), parameters.head_layout(grad_q_data, query_len, q_stride),
+      parameters.kv_head_layout(grad_k_data, total_keys, kv_stride),
+      parameters.kv_head_layout(grad_v_data, total_keys, kv_stride), core, saved.workspace.kernel,
+      grad_pre.data(), grad_post.data());
+  // The kernel overwrites the mixes' gradients; parameters' gradients accumulate.
+  if (config.talking_heads_pre) grads.talking_heads_pre.flat() += grad_pre.flat();
+  if (config.talking_heads_post) grads.talking_heads_post.flat() += grad_post.flat();
+  if (saved.options.rope) {
+    rotate_queries_and_keys(parameters, plan, saved.options, saved.workspace, grad_q_data, q_stride,
+                            grad_k_data, kv_stride, true);
+  }
+
+  // the projections y = x Wᵀ + b
+  InputGradients<T> input_grads;
+  input_grads.head_gate = std::move(grad_gate);
+  input_grads.query = Tensor<T>(saved.query.shape());
+  input_grads.key = Tensor<T>(plan.fused ? saved.query.shape() : saved.key.shape());
+  input_grads.value = Tensor<T>(plan.fused ? saved.query.shape() : saved.value.shape());
+  if (plan.fused) {
+    // No rows (B or L = 0): nothing to add, and the column blocks below would offset null data.
+    if (rows == 0) return input_grads;
+    const auto input = saved.query.matrix();
+    threaded_product(grads.in_proj_weight.matrix(), saved.grad_qkv.transpose(), input,
+                     Accumulate::yes);
+    if (config.bias) grads.in_proj_bias.flat() += saved.grad_qkv.colwise().sum().transpose();
+    Tensor<T>* inputs[] = {&input_grads.query, &input_grads.key, &input_grads.value};
+    for (int which = 0; which < 3; ++which) {
+      threaded_product(inputs[which]->matrix(),
+                       saved.grad_qkv.middleCols(parameters.bias_offset(which),
+                                                 parameters.projection_width(which)),
+                       parameters.weight_rows(which), Accumulate::no);
+    }
+    return input_grads;
+  }
+  backward_projection(parameters, saved.grad_q, saved.query, 0, plan.batch, query_len, query_len,
+                      input_grads.query);
+  backward_projection(parameters, saved.grad_k, saved.key, 1, plan.batch, plan.key_len, total_keys,
+                      input_grads.key);
+  backward_projection(parameters, saved.grad_v, saved.value, 2, plan.batch, plan.key_len,
+                      total_keys, input_grads.value);
+  return input_grads;
+}
+
+// The instantiations mha::compiled holds (src/layer_training.cpp; see mha/compiled.hpp).
+#define MHA_LAYER_TRAINING_TEMPLATES(PREFIX, T)                                                   \
+  PREFIX template ForwardResult<T> forward_train<T>(                                              \
+      LayerParameters<T>&, const void*, Random&, const TensorView<const T>&,                      \
+      const TensorView<const T>&, const TensorView<const T>&, const ForwardOptions<T>&,           \
+      SavedState<T>&);                                                                            \
+  PREFIX template InputGradients<T> backward<T>(LayerParameters<T>&, const void*, SavedState<T>&, \
+                                                const TensorView<const T>&);
+MHA_EXTERN_TEMPLATES(MHA_TRAINABLE_TYPES, MHA_LAYER_TRAINING_TEMPLATES)
+
+}  // namespace detail
+}  // namespace mha
