@@ -494,18 +494,17 @@ TEMPLATE_TEST_CASE("identity and null mixes give attention_reference's results",
       // by an ulp, unless softcap rounds them first in both.
       const bool rounded_twice =
           mix.mix.pre != nullptr && c.softcap == 0 && (c.mask == MaskChoice::additive || c.alibi);
-      // With several query blocks, out is a product per block where attention_reference's is
-      // one per head, blocked differently by Eigen: an ulp apart, while the weights keep their
-      // bits.
-      if (rounded_twice) {
+      // With several query blocks, the scores q kᵀ and out are products per block where
+      // attention_reference's are one per head. Eigen's GEMM does not promise the same bits for
+      // a row of a [50, D] product as for the same row of the [149, D] one: with FMA its
+      // micro-kernel and its edge path round differently, and which rows take the edge depends
+      // on the shape (measured: 1 score of 1490 an ulp apart with AVX2 or AVX-512, none with
+      // SSE2). Both then agree within the float tolerance, not bit for bit.
+      if (rounded_twice || c.several_blocks) {
         CHECK_TENSORS_CLOSE(actual.out, reference.out);
         CHECK_TENSORS_CLOSE(actual.weights, reference.weights);
       } else {
-        if (c.several_blocks) {
-          CHECK_TENSORS_CLOSE(actual.out, reference.out);
-        } else {
-          CHECK(actual.out.flat() == reference.out.flat());
-        }
+        CHECK(actual.out.flat() == reference.out.flat());
         CHECK(actual.weights.flat() == reference.weights.flat());
       }
     }

@@ -91,9 +91,10 @@ void talking_heads_probs(Index b, Index row0, Index rows, Index heads, const Hea
     }
   } else {
     // Without pre, the scores are built by the same operations as attention_reference's (masks,
-    // then the scaled scores added by one product), so that a null pre reproduces its weights bit
-    // for bit (its output too while one block covers L; with several, out's products are per
-    // block and may round an ulp apart from its whole-head product).
+    // then the scaled scores added by one product), so that a null pre reproduces its weights and
+    // output bit for bit while one block covers L. With several blocks the products are per block,
+    // and Eigen may round a row of a block's product an ulp apart from the same row of the whole
+    // head's.
     for (Index g = 0; g < heads; ++g) {
       auto mixed_g = probs.middleRows(g * rows, rows);
       options.masks(b, g, query_len, row0, 0, mixed_g);
