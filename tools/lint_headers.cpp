@@ -1,10 +1,12 @@
 // The translation unit that tools/lint gives clang-tidy in place of the test programs: every
 // header of include/mha, and the library's class templates instantiated for float, so that
-// clang-tidy sees each member function's body with a real type. clang-tidy takes about as long on
+// clang-tidy sees each member function's body with a real type (header-only: the layer's member
+// functions instantiate the rooms of mha/layer/ and the kernels). clang-tidy takes about as long on
 // one Eigen-heavy test program as on this whole unit; all the tests would take ~40 minutes.
 // tools/lint fails when a header of include/mha is missing here.
 
 #include "mha/attention.hpp"
+#include "mha/compiled.hpp"
 #include "mha/diagnostics.hpp"
 #include "mha/errors.hpp"
 #include "mha/finite.hpp"
@@ -12,7 +14,9 @@
 #include "mha/heatmap.hpp"
 #include "mha/init.hpp"
 #include "mha/io/checkpoints.hpp"
+#include "mha/io/element_bits.hpp"
 #include "mha/io/safetensors.hpp"
+#include "mha/io/safetensors_format.hpp"
 #include "mha/kernels/common.hpp"
 #include "mha/kernels/convert.hpp"
 #include "mha/kernels/flash.hpp"
@@ -21,6 +25,14 @@
 #include "mha/kernels/reference.hpp"
 #include "mha/kernels/talking_heads.hpp"
 #include "mha/kv_cache.hpp"
+#include "mha/layer/config.hpp"
+#include "mha/layer/decode.hpp"
+#include "mha/layer/forward.hpp"
+#include "mha/layer/head_surgery.hpp"
+#include "mha/layer/options.hpp"
+#include "mha/layer/parameters.hpp"
+#include "mha/layer/projections.hpp"
+#include "mha/layer/training.hpp"
 #include "mha/mask.hpp"
 #include "mha/mha.hpp"
 #include "mha/multihead_attention.hpp"
