@@ -1,4 +1,6 @@
-// Uses an installed mha through find_package(mha CONFIG REQUIRED) and mha::mha.
+// An outside program using mha: built against mha::mha (header-only) and, as consumer_compiled
+// with MHA_CONSUMER_COMPILED defined, against mha::compiled; by tests/consumer (find_package) and
+// tests/consumer/subproject (add_subdirectory, FetchContent).
 #include <mha/mha.hpp>
 
 #include <cmath>
@@ -6,6 +8,18 @@
 
 #ifndef MHA_VERSION_STRING
 #error "MHA_VERSION_STRING is not defined by <mha/mha.hpp>"
+#endif
+// Each target carries its mode: mha::compiled defines MHA_COMPILED, mha::mha does not.
+#if defined(MHA_CONSUMER_COMPILED) && !defined(MHA_COMPILED)
+#error "linked to mha::compiled, but MHA_COMPILED is not defined"
+#endif
+#if !defined(MHA_CONSUMER_COMPILED) && defined(MHA_COMPILED)
+#error "linked to mha::mha (header-only), but MHA_COMPILED is defined"
+#endif
+#ifdef MHA_COMPILED
+#define MHA_CONSUMER_MODE "compiled"
+#else
+#define MHA_CONSUMER_MODE "header-only"
 #endif
 
 int main() {
@@ -46,6 +60,6 @@ int main() {
   }
 
   if (failures != 0) return 1;
-  std::printf("consumer: OK (mha %s)\n", MHA_VERSION_STRING);
+  std::printf("consumer: OK (mha %s, %s)\n", MHA_VERSION_STRING, MHA_CONSUMER_MODE);
   return 0;
 }

@@ -16,10 +16,11 @@ file(REMOVE_RECURSE "${WORK_DIR}")
 file(MAKE_DIRECTORY "${WORK_DIR}")
 
 # No build type, as a consumer that sets none: mha must not choose one for its parent project.
+# MHA_COMPILED as a user turns it on, with the one layer type the consumer uses.
 run_step(configure ${CMAKE_COMMAND} -S "${CONSUMER_SOURCE_DIR}" -B "${build}"
          "-DMHA_CONSUMER_MODE=${MODE}" "-DMHA_SOURCE_DIR=${MHA_SOURCE_DIR}"
          "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}" "-DCMAKE_CXX_FLAGS=${CXX_FLAGS}"
-         "-DFETCHCONTENT_FULLY_DISCONNECTED=ON")
+         "-DFETCHCONTENT_FULLY_DISCONNECTED=ON" -DMHA_COMPILED=ON -DMHA_COMPILED_TYPES=float)
 
 # The cache must not have been given a build type by mha, and mha's own directories of programs
 # must not exist in the build tree.
@@ -39,15 +40,18 @@ if(NOT EXISTS "${build}/mha" AND NOT EXISTS "${build}/_deps/mha-build")
   message(FATAL_ERROR "consumer test (${MODE}): mha's binary directory is not where expected")
 endif()
 
-run_step(build ${CMAKE_COMMAND} --build "${build}" --target consumer)
+run_step(build ${CMAKE_COMMAND} --build "${build}" --target consumer consumer_compiled)
 
-set(path "")
-foreach(candidate "${build}/consumer" "${build}/consumer.exe" "${build}/Debug/consumer.exe")
-  if(path STREQUAL "" AND EXISTS "${candidate}" AND NOT IS_DIRECTORY "${candidate}")
-    set(path "${candidate}")
+foreach(program consumer consumer_compiled)
+  set(path "")
+  foreach(candidate "${build}/${program}" "${build}/${program}.exe"
+                    "${build}/Debug/${program}.exe")
+    if(path STREQUAL "" AND EXISTS "${candidate}" AND NOT IS_DIRECTORY "${candidate}")
+      set(path "${candidate}")
+    endif()
+  endforeach()
+  if(path STREQUAL "")
+    message(FATAL_ERROR "consumer test (${MODE}): the program '${program}' was not built in ${build}")
   endif()
+  run_step("run ${program}" "${path}")
 endforeach()
-if(path STREQUAL "")
-  message(FATAL_ERROR "consumer test (${MODE}): the program 'consumer' was not built in ${build}")
-endif()
-run_step("run consumer" "${path}")
