@@ -12,7 +12,11 @@ require_arguments(MODE MHA_SOURCE_DIR CONSUMER_SOURCE_DIR WORK_DIR CXX_COMPILER)
 
 set(build "${WORK_DIR}/build")
 
-file(REMOVE_RECURSE "${WORK_DIR}")
+# add_subdirectory starts from nothing; fetchcontent reconfigures the tree it left (see
+# tests/CMakeLists.txt), or starts from nothing when run alone.
+if(MODE STREQUAL "add_subdirectory")
+  file(REMOVE_RECURSE "${WORK_DIR}")
+endif()
 file(MAKE_DIRECTORY "${WORK_DIR}")
 
 # No build type, as a consumer that sets none: mha must not choose one for its parent project.
@@ -28,16 +32,14 @@ file(STRINGS "${build}/CMakeCache.txt" build_type REGEX "^CMAKE_BUILD_TYPE:")
 if(build_type MATCHES "=.+")
   message(FATAL_ERROR "consumer test (${MODE}): mha set the parent's ${build_type}")
 endif()
-foreach(mha_binary_dir "${build}/mha" "${build}/_deps/mha-build")
-  foreach(programs tests examples bench tools)
-    if(EXISTS "${mha_binary_dir}/${programs}")
-      message(FATAL_ERROR "consumer test (${MODE}): mha's own ${programs} were configured in "
-                          "${mha_binary_dir}/${programs}")
-    endif()
-  endforeach()
+foreach(programs tests examples bench tools)
+  if(EXISTS "${build}/mha/${programs}")
+    message(FATAL_ERROR "consumer test (${MODE}): mha's own ${programs} were configured in "
+                        "${build}/mha/${programs}")
+  endif()
 endforeach()
-if(NOT EXISTS "${build}/mha" AND NOT EXISTS "${build}/_deps/mha-build")
-  message(FATAL_ERROR "consumer test (${MODE}): mha's binary directory is not where expected")
+if(NOT EXISTS "${build}/mha")
+  message(FATAL_ERROR "consumer test (${MODE}): mha's binary directory is not ${build}/mha")
 endif()
 
 run_step(build ${CMAKE_COMMAND} --build "${build}" --target consumer consumer_compiled)

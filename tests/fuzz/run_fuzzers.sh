@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # A bounded fuzzing run, as CI does it:
 #   tests/fuzz/run_fuzzers.sh [SECONDS_PER_TARGET (60)] [BUILD_DIR (build-fuzz)]
-# Configures a clang++ build with MHA_BUILD_FUZZERS=ON, builds the three libFuzzer targets only,
-# and runs each for SECONDS_PER_TARGET on a copy of its committed corpus and regressions (under
+# Configures a clang++ build with MHA_BUILD_FUZZERS=ON (or takes BUILD_DIR as it is, if it was
+# configured with it), builds the three libFuzzer targets only, and runs each for SECONDS_PER_TARGET on a copy of its committed corpus and regressions (under
 # BUILD_DIR/fuzz-run; nothing is written to the source tree). Prints per target the executions,
 # executions per second, corpus units, coverage and the inputs by outcome; exits 1 if any target
 # found a crash, timeout, leak or out-of-memory, whose input is then kept in
@@ -20,14 +20,30 @@ repo_root=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/../.." && pwd)
 fuzz_dir=$repo_root/tests/fuzz
 jobs=${MHA_JOBS:-$(nproc)}
 
+# The fuzzers and everything they link are instrumented: the whole build takes the sanitizers
+# and libFuzzer's coverage (-fsanitize=fuzzer-no-link), so that the library's code (mha::compiled,
+# mha_run's logic) guides the fuzzing too; the fuzz targets alone add -fsanitize=fuzzer.
 # RelWithDebInfo at -O1 without NDEBUG, as the sanitizer stage of .ci/run: MHA_ASSERT and Eigen's
-# index checks stay on. No OpenMP: libFuzzer runs one input at a time, and threads would only
-# make runs slower and less reproducible (the thread split is tested by the ordinary tests).
-# Tools stay on because the tests' CMakeLists refers to mha_run; only the fuzzers are built.
-cmake -S "$repo_root" -B "$build_dir" -DCMAKE_CXX_COMPILER=clang++ \
-  -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g" \
-  -DMHA_BUILD_FUZZERS=ON -DMHA_USE_OPENMP=OFF -DMHA_BUILD_TESTS=ON -DMHA_BUILD_TOOLS=ON \
-  -DMHA_BUILD_EXAMPLES=OFF -DMHA_BUILD_BENCHMARKS=OFF >/dev/null
+# index checks stay on. A BUILD_DIR configured already with MHA_BUILD_FUZZERS=ON is used as it is
+# (.ci/run's sanitizer stage builds and tests in it first, with OpenMP); a new one is configured
+# without OpenMP: libFuzzer runs one input at a time, and threads would only make runs slower and
+# less reproducible (the thread split is tested by the ordinary tests). Either way each run has
+# OMP_NUM_THREADS=1. Tools stay on because the tests' CMakeLists refers to mha_run; only the
+# fuzzers are built.
+fuzz_flags="-fsanitize=address,undefined,fuzzer-no-link -fno-sanitize-recover=all -fno-omit-frame-pointer"
+if [[ -f "$build_dir/CMakeCache.txt" ]]; then
+  if ! grep -q '^MHA_BUILD_FUZZERS:BOOL=ON' "$build_dir/CMakeCache.txt"; then
+    echo "run_fuzzers.sh: $build_dir exists but was not configured with -DMHA_BUILD_FUZZERS=ON" >&2
+    exit 2
+  fi
+else
+  cmake -S "$repo_root" -B "$build_dir" -DCMAKE_CXX_COMPILER=clang++ \
+    -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS=$fuzz_flags" \
+    "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g" -DMHA_BUILD_FUZZERS=ON -DMHA_USE_OPENMP=OFF \
+    -DMHA_BUILD_TESTS=ON -DMHA_BUILD_TOOLS=ON -DMHA_BUILD_EXAMPLES=OFF \
+    -DMHA_BUILD_BENCHMARKS=OFF >/dev/null
+fi
+export OMP_NUM_THREADS=1
 targets=(fuzz_safetensors fuzz_mha_run fuzz_forward)
 build_start=$SECONDS
 cmake --build "$build_dir" -j "$jobs" --target mha_fuzzers

@@ -22,6 +22,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "mha/compiled.hpp"
 #include "mha/kernels/common.hpp"
 #include "mha/kernels/convert.hpp"
 
@@ -82,6 +83,48 @@ void threaded_product(Dst&& dst, const Lhs& lhs, const Rhs& rhs, Accumulate accu
   }
 }
 
+// How an operand enters matrix_product: as stored, or transposed.
+enum class Operand { as_stored, transposed };
+
+// dst [M, N] = (or +=) op(lhs) op(rhs), each a row-major block whose rows are outer-stride
+// elements apart: the layer's products besides the projections (the backward's weight and input
+// gradients). Blocks rather than Eigen expressions, so that one instantiation per scalar type
+// (compiled once in mha::compiled) serves every call, where each combination of expression types
+// would instantiate Eigen's GEMM and its dot products again (strided() makes the blocks).
+template <class T>
+void matrix_product(StridedMap<T> dst, ConstStridedMap<T> lhs, Operand lhs_op,
+                    ConstStridedMap<T> rhs, Operand rhs_op, Accumulate accumulate) {
+  if (lhs_op == Operand::as_stored) {
+    if (rhs_op == Operand::as_stored) return threaded_product(dst, lhs, rhs, accumulate);
+    return threaded_product(dst, lhs, rhs.transpose(), accumulate);
+  }
+  if (rhs_op == Operand::as_stored) return threaded_product(dst, lhs.transpose(), rhs, accumulate);
+  threaded_product(dst, lhs.transpose(), rhs.transpose(), accumulate);
+}
+
+// A row-major dense block (a matrix, a map, a block of either) as the StridedMap the products
+// take; const blocks give a ConstStridedMap.
+template <class Dense>
+auto strided(Dense&& block) {
+  using Plain = std::decay_t<Dense>;
+  static_assert(
+      Plain::IsRowMajor || Plain::RowsAtCompileTime == 1,
+      "strided() takes row-major blocks; pass the stored operand with Operand::transposed");
+  using Scalar = typename Plain::Scalar;
+  if constexpr (std::is_const_v<std::remove_pointer_t<decltype(block.data())>>) {
+    return ConstStridedMap<Scalar>(block.data(), block.rows(), block.cols(),
+                                   Eigen::OuterStride<>(block.outerStride()));
+  } else {
+    return StridedMap<Scalar>(block.data(), block.rows(), block.cols(),
+                              Eigen::OuterStride<>(block.outerStride()));
+  }
+}
+// The same, read-only.
+template <class Dense>
+ConstStridedMap<typename std::decay_t<Dense>::Scalar> const_strided(const Dense& block) {
+  return {block.data(), block.rows(), block.cols(), Eigen::OuterStride<>(block.outerStride())};
+}
+
 // Rows first .. first + count - 1 of a 16-bit weight [N, K], widened into `scratch`'s
 // weight_rows, which grows to the largest request and then stays: repeated calls allocate
 // nothing.
@@ -95,7 +138,8 @@ const T* converted_rows(KernelScratch<T>& scratch, const Eigen::Map<const Matrix
 }
 
 // dst [M, N] = (or +=) lhs [M, K] * weightᵀ, weight [N, K] row-major as a layer stores it (x Wᵀ,
-// a projection). With weights stored in a 16-bit type, by the number of tokens M:
+// a projection); dst and lhs are row-major blocks (strided(), below). With weights stored in a
+// 16-bit type, by the number of tokens M:
 //   M <= 16 (a decoding step): each weight row is widened in registers inside the dot products
 //     (AVX-512; elsewhere as the panels below), so the weight is read once at 2 bytes an element;
 //   M >= N: the whole weight is converted once into scratch and one threaded GEMM runs (its
@@ -103,11 +147,10 @@ const T* converted_rows(KernelScratch<T>& scratch, const Eigen::Map<const Matrix
 //   otherwise: panels of 128 rows converted into each thread's scratch and multiplied there.
 // Each output column is computed by one thread with the same arithmetic whatever the thread
 // count, as in threaded_product.
-template <class Dst, class Lhs, class Stored>
-void product_transposed(Dst&& dst, const Lhs& lhs, const Eigen::Map<const Matrix<Stored>>& weight,
-                        Accumulate accumulate,
-                        std::vector<KernelScratch<typename std::decay_t<Dst>::Scalar>>& scratch) {
-  using T = typename std::decay_t<Dst>::Scalar;
+template <class T, class Stored>
+void product_transposed(StridedMap<T> dst, ConstStridedMap<T> lhs,
+                        const Eigen::Map<const Matrix<Stored>>& weight, Accumulate accumulate,
+                        std::vector<KernelScratch<T>>& scratch) {
   if constexpr (std::is_same_v<T, Stored>) {
     threaded_product(dst, lhs, weight.transpose(), accumulate);
   } else {
@@ -169,5 +212,19 @@ void product_transposed(Dst&& dst, const Lhs& lhs, const Eigen::Map<const Matrix
     }
   }
 }
+
+// The instantiations mha::compiled holds (src/products.cpp; see mha/compiled.hpp).
+#define MHA_PRODUCT_TEMPLATES(PREFIX, T)                                                        \
+  PREFIX template void matrix_product<T>(StridedMap<T>, ConstStridedMap<T>, Operand,            \
+                                         ConstStridedMap<T>, Operand, Accumulate);              \
+  PREFIX template void product_transposed<T, T>(StridedMap<T>, ConstStridedMap<T>,              \
+                                                const Eigen::Map<const Matrix<T>>&, Accumulate, \
+                                                std::vector<KernelScratch<T>>&);
+#define MHA_STORED_PRODUCT_TEMPLATES(PREFIX, Stored)                                      \
+  PREFIX template void product_transposed<float, Stored>(                                 \
+      StridedMap<float>, ConstStridedMap<float>, const Eigen::Map<const Matrix<Stored>>&, \
+      Accumulate, std::vector<KernelScratch<float>>&);
+MHA_EXTERN_TEMPLATES(MHA_COMPUTE_TYPES, MHA_PRODUCT_TEMPLATES)
+MHA_EXTERN_TEMPLATES(MHA_STORED_16BIT_TYPES, MHA_STORED_PRODUCT_TEMPLATES)
 
 }  // namespace mha::detail

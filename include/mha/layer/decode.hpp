@@ -62,8 +62,8 @@ ForwardResult<T> Decoding<T>::step(const LayerParameters<T>& parameters,
   Matrix<Compute>* projected[] = {&cache.queries_, &cache.new_keys_, &cache.new_values_};
   for (int which = 0; which < 3; ++which) {
     projected[which]->resize(input.rows(), parameters.projection_width(which));
-    product_transposed(*projected[which], input, parameters.weight_rows(which), Accumulate::no,
-                       cache.kernel_);
+    product_transposed<Compute>(strided(*projected[which]), const_strided(input),
+                                parameters.weight_rows(which), Accumulate::no, cache.kernel_);
     add_bias(parameters, *projected[which], which);
   }
   cache.attended_.resize(input.rows(), inner);

@@ -241,8 +241,8 @@ void run_forward(const LayerParameters<T>& parameters, const ForwardPlan& plan,
     // [B*L, H·D + 2·H_kv·D]: heads read q, k and v at their column offsets.
     Matrix<Compute>& qkv = workspace.qkv;
     qkv.resize(batch * query_len, inner + 2 * kv_width);
-    product_transposed(qkv, as_compute(query, workspace.query), values.in_proj_weight.matrix(),
-                       Accumulate::no, workspace.kernel);
+    product_transposed<Compute>(strided(qkv), const_strided(as_compute(query, workspace.query)),
+                                values.in_proj_weight.matrix(), Accumulate::no, workspace.kernel);
     if (parameters.config().bias) {
       qkv.rowwise() += values.in_proj_bias.flat().transpose().template cast<Compute>();
     }
@@ -253,8 +253,9 @@ void run_forward(const LayerParameters<T>& parameters, const ForwardPlan& plan,
   } else {
     // q [B*L, H·D]; k, v [B*S', H_kv·D] with the extra rows after each batch's S projected rows.
     workspace.q.resize(batch * query_len, inner);
-    product_transposed(workspace.q, as_compute(query, workspace.query), parameters.weight_rows(0),
-                       Accumulate::no, workspace.kernel);
+    product_transposed<Compute>(strided(workspace.q),
+                                const_strided(as_compute(query, workspace.query)),
+                                parameters.weight_rows(0), Accumulate::no, workspace.kernel);
     add_bias(parameters, workspace.q, 0);
     project_keys(parameters, as_compute(key, workspace.key), 1, batch, plan.key_len, total_keys,
                  values.bias_k, workspace.k, workspace.kernel);

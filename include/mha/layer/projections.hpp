@@ -54,15 +54,17 @@ void project_keys(const LayerParameters<T>& parameters,
   projected.resize(batch * total_keys, parameters.kv_dim());
   const auto weight = parameters.weight_rows(which);
   if (total_keys == key_len) {  // no extra rows: one GEMM over every batch
-    product_transposed(projected, input, weight, Accumulate::no, scratch);
+    product_transposed<Compute>(strided(projected), const_strided(input), weight, Accumulate::no,
+                                scratch);
     add_bias(parameters, projected, which);
     return;
   }
   for (Index b = 0; b < batch; ++b) {
     auto rows = projected.middleRows(b * total_keys, key_len);
-    product_transposed(
-        rows, Eigen::Map<const Matrix<Compute>>(input.data() + b * key_len * width, key_len, width),
-        weight, Accumulate::no, scratch);
+    const Eigen::Map<const Matrix<Compute>> input_rows(input.data() + b * key_len * width, key_len,
+                                                       width);
+    product_transposed<Compute>(strided(rows), const_strided(input_rows), weight, Accumulate::no,
+                                scratch);
     add_bias(parameters, rows, which);
     Index next = b * total_keys + key_len;
     if (config.add_bias_kv) {
@@ -91,19 +93,24 @@ void backward_projection(LayerParameters<T>& parameters, const Matrix<T>& grad_y
                              parameters.projection_width(which)) += grad_rows.colwise().sum();
   };
   if (total_rows == rows) {  // no extra rows: one GEMM over every batch
-    threaded_product(grad_weight, grad_y.transpose(), input.matrix(), Accumulate::yes);
+    matrix_product<T>(strided(grad_weight), const_strided(grad_y), Operand::transposed,
+                      const_strided(input.matrix()), Operand::as_stored, Accumulate::yes);
     accumulate_bias(grad_y);
-    threaded_product(grad_input.matrix(), grad_y, weight, Accumulate::no);
+    matrix_product<T>(strided(grad_input.matrix()), const_strided(grad_y), Operand::as_stored,
+                      const_strided(weight), Operand::as_stored, Accumulate::no);
     return;
   }
   Tensor<T>& grad_extra = which == 1 ? grads.bias_k : grads.bias_v;
   for (Index b = 0; b < batch; ++b) {
     const auto grad_rows = grad_y.middleRows(b * total_rows, rows);
     const Eigen::Map<const Matrix<T>> input_rows(input.data() + b * rows * width, rows, width);
-    threaded_product(grad_weight, grad_rows.transpose(), input_rows, Accumulate::yes);
+    matrix_product<T>(strided(grad_weight), const_strided(grad_rows), Operand::transposed,
+                      const_strided(input_rows), Operand::as_stored, Accumulate::yes);
     accumulate_bias(grad_rows);
-    threaded_product(Eigen::Map<Matrix<T>>(grad_input.data() + b * rows * width, rows, width),
-                     grad_rows, weight, Accumulate::no);
+    matrix_product<T>(
+        strided(Eigen::Map<Matrix<T>>(grad_input.data() + b * rows * width, rows, width)),
+        const_strided(grad_rows), Operand::as_stored, const_strided(weight), Operand::as_stored,
+        Accumulate::no);
     // The zero row is a constant: its gradient goes nowhere.
     if (config.add_bias_kv && which > 0) {
       grad_extra.flat() += grad_y.row(b * total_rows + rows).transpose();
@@ -117,12 +124,13 @@ template <class T>
 void project_output(const LayerParameters<T>& parameters, const Matrix<compute_t<T>>& heads_output,
                     Tensor<T>& output, Matrix<compute_t<T>>& buffer,
                     std::vector<KernelScratch<compute_t<T>>>& scratch) {
+  using Compute = compute_t<T>;
   const ParameterSet<T>& values = parameters.values();
   const auto project = [&](auto&& rows) {
-    product_transposed(rows, heads_output, values.out_proj_weight.matrix(), Accumulate::no,
-                       scratch);
+    product_transposed<Compute>(strided(rows), const_strided(heads_output),
+                                values.out_proj_weight.matrix(), Accumulate::no, scratch);
     if (parameters.config().bias) {
-      rows.rowwise() += values.out_proj_bias.flat().transpose().template cast<compute_t<T>>();
+      rows.rowwise() += values.out_proj_bias.flat().transpose().template cast<Compute>();
     }
   };
   if constexpr (is_16bit_v<T>) {

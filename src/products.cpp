@@ -1,0 +1,8 @@
+// mha::compiled: the layer's matrix products (matrix_product, product_transposed), declared
+// extern in mha/kernels/gemm.hpp.
+#include "mha/kernels/gemm.hpp"
+
+namespace mha::detail {
+MHA_INSTANTIATE_TEMPLATES(MHA_COMPUTE_TYPES, MHA_PRODUCT_TEMPLATES)
+MHA_INSTANTIATE_TEMPLATES(MHA_STORED_16BIT_TYPES, MHA_STORED_PRODUCT_TEMPLATES)
+}  // namespace mha::detail
