@@ -83,23 +83,20 @@ void threaded_product(Dst&& dst, const Lhs& lhs, const Rhs& rhs, Accumulate accu
   }
 }
 
-// How an operand enters matrix_product: as stored, or transposed.
+// How the left operand enters matrix_product: as stored, or transposed.
 enum class Operand { as_stored, transposed };
 
-// dst [M, N] = (or +=) op(lhs) op(rhs), each a row-major block whose rows are outer-stride
-// elements apart: the layer's products besides the projections (the backward's weight and input
-// gradients). Blocks rather than Eigen expressions, so that one instantiation per scalar type
-// (compiled once in mha::compiled) serves every call, where each combination of expression types
-// would instantiate Eigen's GEMM and its dot products again (strided() makes the blocks).
+// dst [M, N] = (or +=) op(lhs) rhs, each a row-major block whose rows are outer-stride elements
+// apart: the layer's products besides the projections (the backward's weight gradients, lhs
+// transposed, and its input gradients). Blocks rather than Eigen expressions, so that one
+// instantiation per scalar type (compiled once in mha::compiled) serves every call, where each
+// combination of expression types would instantiate Eigen's GEMM and its dot products again
+// (strided() makes the blocks). A transposed right operand is product_transposed's.
 template <class T>
 void matrix_product(StridedMap<T> dst, ConstStridedMap<T> lhs, Operand lhs_op,
-                    ConstStridedMap<T> rhs, Operand rhs_op, Accumulate accumulate) {
-  if (lhs_op == Operand::as_stored) {
-    if (rhs_op == Operand::as_stored) return threaded_product(dst, lhs, rhs, accumulate);
-    return threaded_product(dst, lhs, rhs.transpose(), accumulate);
-  }
-  if (rhs_op == Operand::as_stored) return threaded_product(dst, lhs.transpose(), rhs, accumulate);
-  threaded_product(dst, lhs.transpose(), rhs.transpose(), accumulate);
+                    ConstStridedMap<T> rhs, Accumulate accumulate) {
+  if (lhs_op == Operand::as_stored) return threaded_product(dst, lhs, rhs, accumulate);
+  threaded_product(dst, lhs.transpose(), rhs, accumulate);
 }
 
 // A row-major dense block (a matrix, a map, a block of either) as the StridedMap the products
@@ -216,7 +213,7 @@ void product_transposed(StridedMap<T> dst, ConstStridedMap<T> lhs,
 // The instantiations mha::compiled holds (src/products.cpp; see mha/compiled.hpp).
 #define MHA_PRODUCT_TEMPLATES(PREFIX, T)                                                        \
   PREFIX template void matrix_product<T>(StridedMap<T>, ConstStridedMap<T>, Operand,            \
-                                         ConstStridedMap<T>, Operand, Accumulate);              \
+                                         ConstStridedMap<T>, Accumulate);                       \
   PREFIX template void product_transposed<T, T>(StridedMap<T>, ConstStridedMap<T>,              \
                                                 const Eigen::Map<const Matrix<T>>&, Accumulate, \
                                                 std::vector<KernelScratch<T>>&);

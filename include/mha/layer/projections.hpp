@@ -94,10 +94,10 @@ void backward_projection(LayerParameters<T>& parameters, const Matrix<T>& grad_y
   };
   if (total_rows == rows) {  // no extra rows: one GEMM over every batch
     matrix_product<T>(strided(grad_weight), const_strided(grad_y), Operand::transposed,
-                      const_strided(input.matrix()), Operand::as_stored, Accumulate::yes);
+                      const_strided(input.matrix()), Accumulate::yes);
     accumulate_bias(grad_y);
     matrix_product<T>(strided(grad_input.matrix()), const_strided(grad_y), Operand::as_stored,
-                      const_strided(weight), Operand::as_stored, Accumulate::no);
+                      const_strided(weight), Accumulate::no);
     return;
   }
   Tensor<T>& grad_extra = which == 1 ? grads.bias_k : grads.bias_v;
@@ -105,12 +105,11 @@ void backward_projection(LayerParameters<T>& parameters, const Matrix<T>& grad_y
     const auto grad_rows = grad_y.middleRows(b * total_rows, rows);
     const Eigen::Map<const Matrix<T>> input_rows(input.data() + b * rows * width, rows, width);
     matrix_product<T>(strided(grad_weight), const_strided(grad_rows), Operand::transposed,
-                      const_strided(input_rows), Operand::as_stored, Accumulate::yes);
+                      const_strided(input_rows), Accumulate::yes);
     accumulate_bias(grad_rows);
     matrix_product<T>(
         strided(Eigen::Map<Matrix<T>>(grad_input.data() + b * rows * width, rows, width)),
-        const_strided(grad_rows), Operand::as_stored, const_strided(weight), Operand::as_stored,
-        Accumulate::no);
+        const_strided(grad_rows), Operand::as_stored, const_strided(weight), Accumulate::no);
     // The zero row is a constant: its gradient goes nowhere.
     if (config.add_bias_kv && which > 0) {
       grad_extra.flat() += grad_y.row(b * total_rows + rows).transpose();

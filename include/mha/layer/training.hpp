@@ -132,18 +132,16 @@ InputGradients<T> backward(LayerParameters<T>& parameters, const void* layer, Sa
   // output = attended W_oᵀ + b_o
   const std::vector<T>& gate = saved.options.head_gate;
   const auto grad_out = grad_output.matrix();
-  matrix_product<T>(strided(grads.out_proj_weight.matrix()), const_strided(grad_out),
-                    Operand::transposed,
-                    const_strided(gate.empty() ? forward.attended : forward.gated),
-                    Operand::as_stored, Accumulate::yes);
+  matrix_product<T>(
+      strided(grads.out_proj_weight.matrix()), const_strided(grad_out), Operand::transposed,
+      const_strided(gate.empty() ? forward.attended : forward.gated), Accumulate::yes);
   // Column sums of no rows (B or L = 0) are skipped: Eigen's reduction of an empty matrix
   // offsets its null data pointer, which is undefined.
   if (config.bias && rows > 0) grads.out_proj_bias.flat() += grad_out.colwise().sum().transpose();
   Matrix<T>& grad_attended = saved.grad_attended;
   grad_attended.resize(rows, inner);
   matrix_product<T>(strided(grad_attended), const_strided(grad_out), Operand::as_stored,
-                    const_strided(values.out_proj_weight.matrix()), Operand::as_stored,
-                    Accumulate::no);
+                    const_strided(values.out_proj_weight.matrix()), Accumulate::no);
   // gated_h = gate_h attended_h: the gate's gradient is sum(grad_gated_h ∘ attended_h), and the
   // heads' own gradient is gate_h grad_gated_h.
   Tensor<T> grad_gate;
@@ -218,8 +216,7 @@ InputGradients<T> backward(LayerParameters<T>& parameters, const void* layer, Sa
     if (rows == 0) return input_grads;
     const auto input = saved.query.matrix();
     matrix_product<T>(strided(grads.in_proj_weight.matrix()), const_strided(saved.grad_qkv),
-                      Operand::transposed, const_strided(input), Operand::as_stored,
-                      Accumulate::yes);
+                      Operand::transposed, const_strided(input), Accumulate::yes);
     if (config.bias) grads.in_proj_bias.flat() += saved.grad_qkv.colwise().sum().transpose();
     Tensor<T>* inputs[] = {&input_grads.query, &input_grads.key, &input_grads.value};
     for (int which = 0; which < 3; ++which) {
@@ -227,7 +224,7 @@ InputGradients<T> backward(LayerParameters<T>& parameters, const void* layer, Sa
                         const_strided(saved.grad_qkv.middleCols(
                             parameters.bias_offset(which), parameters.projection_width(which))),
                         Operand::as_stored, const_strided(parameters.weight_rows(which)),
-                        Operand::as_stored, Accumulate::no);
+                        Accumulate::no);
     }
     return input_grads;
   }
