@@ -126,6 +126,7 @@ void attention_backward(Kernel kernel, Index batch, Index heads, const HeadLayou
 
 // The instantiations mha::compiled holds (src/kernels_*.cpp; see mha/compiled.hpp): the
 // kernels, through the two functions every caller reaches them by.
+// NOLINTBEGIN(bugprone-macro-parentheses): the arguments are a type and a keyword
 #define MHA_KERNEL_TEMPLATES(PREFIX, T)                                                     \
   PREFIX template void attention<T>(Kernel, Index, Index, const HeadLayout<const T>&,       \
                                     const HeadLayout<const T>&, const HeadLayout<const T>&, \
@@ -136,11 +137,14 @@ void attention_backward(Kernel kernel, Index batch, Index heads, const HeadLayou
       const HeadLayout<const T>&, const HeadLayout<const T>&, const HeadLayout<const T>&,   \
       const T*, const HeadLayout<T>&, const HeadLayout<T>&, const HeadLayout<T>&,           \
       const CoreOptions<T>&, std::vector<KernelScratch<T>>&, T*, T*);
+// NOLINTEND(bugprone-macro-parentheses)
+// NOLINTBEGIN(bugprone-macro-parentheses): the arguments are a type and a keyword
 #define MHA_STORED_KERNEL_TEMPLATES(PREFIX, Stored)                                          \
   PREFIX template void attention<float, Stored>(                                             \
       Kernel, Index, Index, const HeadLayout<const float>&, const HeadLayout<const Stored>&, \
       const HeadLayout<const Stored>&, const HeadLayout<float>&, const CoreOptions<float>&,  \
       float*, std::vector<KernelScratch<float>>&, float*);
+// NOLINTEND(bugprone-macro-parentheses)
 MHA_EXTERN_TEMPLATES(MHA_COMPUTE_TYPES, MHA_KERNEL_TEMPLATES)
 MHA_EXTERN_TEMPLATES(MHA_STORED_16BIT_TYPES, MHA_STORED_KERNEL_TEMPLATES)
 
@@ -406,12 +410,14 @@ AttentionGradients<T> scaled_dot_product_attention_backward(
 }
 
 // The instantiations mha::compiled holds (src/attention.cpp; see mha/compiled.hpp).
+// NOLINTBEGIN(bugprone-macro-parentheses): the arguments are a type and a keyword
 #define MHA_SDPA_TEMPLATES(PREFIX, T)                                                             \
   PREFIX template AttentionResult<T> scaled_dot_product_attention<T>(                             \
       TensorView<const T>, TensorView<const T>, TensorView<const T>, const AttentionOptions<T>&); \
   PREFIX template AttentionGradients<T> scaled_dot_product_attention_backward<T>(                 \
       TensorView<const T>, TensorView<const T>, TensorView<const T>, const AttentionResult<T>&,   \
       TensorView<const T>, const AttentionOptions<T>&);
+// NOLINTEND(bugprone-macro-parentheses)
 MHA_EXTERN_TEMPLATES(MHA_COMPUTE_TYPES, MHA_SDPA_TEMPLATES)
 
 }  // namespace mha

@@ -42,7 +42,14 @@ if(NOT EXISTS "${build}/mha")
   message(FATAL_ERROR "consumer test (${MODE}): mha's binary directory is not ${build}/mha")
 endif()
 
-run_step(build ${CMAKE_COMMAND} --build "${build}" --target consumer consumer_compiled)
+# In parallel: this is the longest consumer test, and CTest runs others beside it.
+include(ProcessorCount)
+ProcessorCount(jobs)
+if(jobs LESS 1)
+  set(jobs 1)
+endif()
+run_step(build ${CMAKE_COMMAND} --build "${build}" --parallel ${jobs}
+         --target consumer consumer_compiled)
 
 foreach(program consumer consumer_compiled)
   set(path "")

@@ -2,12 +2,13 @@
 # A bounded fuzzing run, as CI does it:
 #   tests/fuzz/run_fuzzers.sh [SECONDS_PER_TARGET (60)] [BUILD_DIR (build-fuzz)]
 # Configures a clang++ build with MHA_BUILD_FUZZERS=ON (or takes BUILD_DIR as it is, if it was
-# configured with it), builds the three libFuzzer targets only, and runs each for SECONDS_PER_TARGET on a copy of its committed corpus and regressions (under
+# configured with it), builds the three libFuzzer targets only, and runs them at once, each for
+# SECONDS_PER_TARGET of processor time, on a copy of its committed corpus and regressions (under
 # BUILD_DIR/fuzz-run; nothing is written to the source tree). Prints per target the executions,
 # executions per second, corpus units, coverage and the inputs by outcome; exits 1 if any target
 # found a crash, timeout, leak or out-of-memory, whose input is then kept in
 # BUILD_DIR/fuzz-run/<target>/ (crash-*, timeout-*, leak-*, oom-*).
-# MHA_JOBS sets the build's parallelism (default: nproc).
+# MHA_JOBS sets the build's parallelism and the processors the fuzzers share (default: nproc).
 set -euo pipefail
 
 seconds=${1:-60}
@@ -39,7 +40,7 @@ if [[ -f "$build_dir/CMakeCache.txt" ]]; then
 else
   cmake -S "$repo_root" -B "$build_dir" -DCMAKE_CXX_COMPILER=clang++ \
     -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS=$fuzz_flags" \
-    "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g" -DMHA_BUILD_FUZZERS=ON -DMHA_USE_OPENMP=OFF \
+    "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -gline-tables-only" -DMHA_BUILD_FUZZERS=ON -DMHA_USE_OPENMP=OFF \
     -DMHA_BUILD_TESTS=ON -DMHA_BUILD_TOOLS=ON -DMHA_BUILD_EXAMPLES=OFF \
     -DMHA_BUILD_BENCHMARKS=OFF >/dev/null
 fi
@@ -56,8 +57,12 @@ declare -A dict=([fuzz_safetensors]=$fuzz_dir/safetensors.dict
 
 run_root=$build_dir/fuzz-run
 rm -rf -- "$run_root"
-failed=()
-summary=()
+# The targets run at once, each for SECONDS_PER_TARGET of processor time: with fewer jobs than
+# targets they share the processors, and each runs for its share of the wall time
+# (targets x seconds / jobs), which on two cores is 90 s each for three targets of 60 s.
+wall_seconds=$(((${#targets[@]} * seconds + jobs - 1) / jobs))
+((wall_seconds < seconds)) && wall_seconds=$seconds
+declare -A pid
 for target in "${targets[@]}"; do
   work=$run_root/$target
   mkdir -p -- "$work/corpus"
@@ -66,12 +71,20 @@ for target in "${targets[@]}"; do
     cp -- "$fuzz_dir/regressions/$target"/* "$work/corpus/"
   fi
   units_before=$(find "$work/corpus" -type f | wc -l)
-  options=(-max_total_time="$seconds" -max_len="${max_len[$target]}" -rss_limit_mb=2048
+  options=(-max_total_time="$wall_seconds" -max_len="${max_len[$target]}" -rss_limit_mb=2048
     -timeout=10 -print_final_stats=1 -artifact_prefix="$work/")
   if [[ -n "${dict[$target]}" ]]; then options+=(-dict="${dict[$target]}"); fi
-  echo "run_fuzzers.sh: $target for ${seconds}s on $units_before inputs"
+  echo "run_fuzzers.sh: $target for ${wall_seconds}s (${seconds}s of processor time) on $units_before inputs"
+  "$build_dir/fuzzers/$target" "${options[@]}" "$work/corpus" >"$work/log" 2>&1 &
+  pid[$target]=$!
+done
+
+failed=()
+summary=()
+for target in "${targets[@]}"; do
+  work=$run_root/$target
   status=0
-  "$build_dir/fuzzers/$target" "${options[@]}" "$work/corpus" >"$work/log" 2>&1 || status=$?
+  wait "${pid[$target]}" || status=$?
   executions=$(sed -n 's/^stat::number_of_executed_units: *//p' "$work/log")
   per_second=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$work/log")
   # libFuzzer's last status line, e.g. "#123 DONE cov: 1234 ft: 5678 corp: 90/12Kb ...".
@@ -82,7 +95,7 @@ for target in "${targets[@]}"; do
   outcomes=$(grep -E "^$target: [0-9]+ inputs" "$work/log" | tail -n 1 || true)
   artifacts=$(find "$work" -maxdepth 1 -type f \
     \( -name 'crash-*' -o -name 'timeout-*' -o -name 'leak-*' -o -name 'oom-*' \) | sort)
-  line="$target: ${executions:-?} executions in ${seconds}s (${per_second:-?}/s), corpus ${corpus:-?} (units/size), cov ${coverage:-?}, ft ${features:-?}"
+  line="$target: ${executions:-?} executions in ${wall_seconds}s (${per_second:-?}/s of wall time), corpus ${corpus:-?} (units/size), cov ${coverage:-?}, ft ${features:-?}"
   summary+=("$line" "  ${outcomes:-(no outcome counts: the run did not exit normally)}")
   if ((status != 0)) || [[ -n "$artifacts" ]]; then
     failed+=("$target")
@@ -91,7 +104,7 @@ for target in "${targets[@]}"; do
   fi
 done
 
-printf '\n== fuzzing summary (%ss per target)\n' "$seconds"
+printf '\n== fuzzing summary (%ss of processor time per target, %s at once on %s jobs)\n' "$seconds" "${#targets[@]}" "$jobs"
 printf '%s\n' "${summary[@]}"
 if ((${#failed[@]} > 0)); then
   echo "run_fuzzers.sh: FAILED: ${failed[*]} (reproduce: BINARY INPUT; keep the input under tests/fuzz/regressions/<target>/ once fixed)" >&2

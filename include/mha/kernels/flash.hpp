@@ -309,6 +309,7 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
 }
 
 // The instantiations mha::compiled holds (src/kernels_flash_*.cpp; see mha/compiled.hpp).
+// NOLINTBEGIN(bugprone-macro-parentheses): the arguments are a type and a keyword
 #define MHA_FLASH_KERNEL_TEMPLATES(PREFIX, T)                                             \
   PREFIX template void attention_flash<T, T>(                                             \
       Index, Index, const HeadLayout<const T>&, const HeadLayout<const T>&,               \
@@ -319,11 +320,14 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
       const HeadLayout<const T>&, const HeadLayout<const T>&, const HeadLayout<const T>&, \
       const T*, const HeadLayout<T>&, const HeadLayout<T>&, const HeadLayout<T>&,         \
       const CoreOptions<T>&, std::vector<KernelScratch<T>>&, const FlashBlocks&);
+// NOLINTEND(bugprone-macro-parentheses)
+// NOLINTBEGIN(bugprone-macro-parentheses): the arguments are a type and a keyword
 #define MHA_STORED_FLASH_KERNEL_TEMPLATES(PREFIX, Stored)                                   \
   PREFIX template void attention_flash<float, Stored>(                                      \
       Index, Index, const HeadLayout<const float>&, const HeadLayout<const Stored>&,        \
       const HeadLayout<const Stored>&, const HeadLayout<float>&, const CoreOptions<float>&, \
       std::vector<KernelScratch<float>>&, float*, const FlashBlocks&);
+// NOLINTEND(bugprone-macro-parentheses)
 MHA_EXTERN_TEMPLATES(MHA_COMPUTE_TYPES, MHA_FLASH_KERNEL_TEMPLATES)
 MHA_EXTERN_TEMPLATES(MHA_STORED_16BIT_TYPES, MHA_STORED_FLASH_KERNEL_TEMPLATES)
 

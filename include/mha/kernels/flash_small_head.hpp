@@ -245,11 +245,13 @@ void attention_flash_small_head(Index batch, Index heads, const HeadLayout<const
 
 // The instantiations mha::compiled holds (src/kernels_flash_small_head.cpp; see mha/compiled.hpp):
 // float, at every D small_head_kernel_exists accepts.
+// NOLINTBEGIN(bugprone-macro-parentheses): the arguments are a type and a keyword
 #define MHA_SMALL_HEAD_KERNEL_TEMPLATES(PREFIX, D)                                         \
   PREFIX template void attention_flash_small_head<D, float>(                               \
       Index, Index, const HeadLayout<const float>&, const HeadLayout<const float>&,        \
       const HeadLayout<const float>&, const HeadLayout<float>&, const CoreOptions<float>&, \
       std::vector<KernelScratch<float>>&, float*);
+// NOLINTEND(bugprone-macro-parentheses)
 #define MHA_SMALL_HEAD_DIMS(X, PREFIX) \
   MHA_IF_FLOAT_KERNELS(X(PREFIX, 4) X(PREFIX, 8) X(PREFIX, 12) X(PREFIX, 16))
 MHA_EXTERN_TEMPLATES(MHA_SMALL_HEAD_DIMS, MHA_SMALL_HEAD_KERNEL_TEMPLATES)

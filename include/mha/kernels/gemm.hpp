@@ -211,16 +211,20 @@ void product_transposed(StridedMap<T> dst, ConstStridedMap<T> lhs,
 }
 
 // The instantiations mha::compiled holds (src/products.cpp; see mha/compiled.hpp).
+// NOLINTBEGIN(bugprone-macro-parentheses): the arguments are a type and a keyword
 #define MHA_PRODUCT_TEMPLATES(PREFIX, T)                                                        \
   PREFIX template void matrix_product<T>(StridedMap<T>, ConstStridedMap<T>, Operand,            \
                                          ConstStridedMap<T>, Accumulate);                       \
   PREFIX template void product_transposed<T, T>(StridedMap<T>, ConstStridedMap<T>,              \
                                                 const Eigen::Map<const Matrix<T>>&, Accumulate, \
                                                 std::vector<KernelScratch<T>>&);
+// NOLINTEND(bugprone-macro-parentheses)
+// NOLINTBEGIN(bugprone-macro-parentheses): the arguments are a type and a keyword
 #define MHA_STORED_PRODUCT_TEMPLATES(PREFIX, Stored)                                      \
   PREFIX template void product_transposed<float, Stored>(                                 \
       StridedMap<float>, ConstStridedMap<float>, const Eigen::Map<const Matrix<Stored>>&, \
       Accumulate, std::vector<KernelScratch<float>>&);
+// NOLINTEND(bugprone-macro-parentheses)
 MHA_EXTERN_TEMPLATES(MHA_COMPUTE_TYPES, MHA_PRODUCT_TEMPLATES)
 MHA_EXTERN_TEMPLATES(MHA_STORED_16BIT_TYPES, MHA_STORED_PRODUCT_TEMPLATES)
 

@@ -132,6 +132,7 @@ void attention_reference_backward(Index batch, Index heads, const HeadLayout<con
 }
 
 // The instantiations mha::compiled holds (src/kernels_reference.cpp; see mha/compiled.hpp).
+// NOLINTBEGIN(bugprone-macro-parentheses): the arguments are a type and a keyword
 #define MHA_REFERENCE_KERNEL_TEMPLATES(PREFIX, T)                                   \
   PREFIX template void attention_reference<T>(                                      \
       Index, Index, const HeadLayout<const T>&, const HeadLayout<const T>&,         \
@@ -142,6 +143,7 @@ void attention_reference_backward(Index batch, Index heads, const HeadLayout<con
       const HeadLayout<const T>&, const HeadLayout<const T>&, const HeadLayout<T>&, \
       const HeadLayout<T>&, const HeadLayout<T>&, const CoreOptions<T>&,            \
       std::vector<KernelScratch<T>>&);
+// NOLINTEND(bugprone-macro-parentheses)
 MHA_EXTERN_TEMPLATES(MHA_COMPUTE_TYPES, MHA_REFERENCE_KERNEL_TEMPLATES)
 
 }  // namespace mha::detail

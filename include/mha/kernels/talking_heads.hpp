@@ -323,6 +323,7 @@ void attention_talking_heads_backward(Index batch, Index heads, const HeadLayout
 }
 
 // The instantiations mha::compiled holds (src/kernels_talking_heads.cpp; see mha/compiled.hpp).
+// NOLINTBEGIN(bugprone-macro-parentheses): the arguments are a type and a keyword
 #define MHA_TALKING_HEADS_KERNEL_TEMPLATES(PREFIX, T)                                            \
   PREFIX template void attention_talking_heads<T>(                                               \
       Index, Index, const HeadLayout<const T>&, const HeadLayout<const T>&,                      \
@@ -333,6 +334,7 @@ void attention_talking_heads_backward(Index batch, Index heads, const HeadLayout
       const HeadLayout<const T>&, const HeadLayout<const T>&, const HeadLayout<T>&,              \
       const HeadLayout<T>&, const HeadLayout<T>&, const CoreOptions<T>&, const TalkingHeads<T>&, \
       T*, T*, std::vector<KernelScratch<T>>&);
+// NOLINTEND(bugprone-macro-parentheses)
 MHA_EXTERN_TEMPLATES(MHA_COMPUTE_TYPES, MHA_TALKING_HEADS_KERNEL_TEMPLATES)
 
 }  // namespace mha::detail

@@ -197,7 +197,9 @@ Index Decoding<T>::check(const LayerParameters<T>& parameters, const TensorView<
 }
 
 // The instantiations mha::compiled holds (src/layer_decode.cpp; see mha/compiled.hpp).
+// NOLINTBEGIN(bugprone-macro-parentheses): the arguments are a type and a keyword
 #define MHA_LAYER_DECODE_TEMPLATES(PREFIX, T) PREFIX template struct Decoding<T>;
+// NOLINTEND(bugprone-macro-parentheses)
 MHA_EXTERN_TEMPLATES(MHA_LAYER_TYPES, MHA_LAYER_DECODE_TEMPLATES)
 
 }  // namespace mha::detail

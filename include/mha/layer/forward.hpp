@@ -328,6 +328,7 @@ void run_forward(const LayerParameters<T>& parameters, const ForwardPlan& plan,
 }
 
 // The instantiations mha::compiled holds (src/layer_forward.cpp; see mha/compiled.hpp).
+// NOLINTBEGIN(bugprone-macro-parentheses): the arguments are a type and a keyword
 #define MHA_LAYER_FORWARD_TEMPLATES(PREFIX, T)                                            \
   PREFIX template ForwardPlan plan_forward<T>(                                            \
       const LayerParameters<T>&, const TensorView<const T>&, const TensorView<const T>&,  \
@@ -338,6 +339,7 @@ void run_forward(const LayerParameters<T>& parameters, const ForwardPlan& plan,
       const LayerParameters<T>&, const ForwardPlan&, const CoreOptions<compute_t<T>>&,    \
       const TensorView<const T>&, const TensorView<const T>&, const TensorView<const T>&, \
       const ForwardOptions<T>&, Workspace<T>&, ForwardResult<T>&, compute_t<T>*);
+// NOLINTEND(bugprone-macro-parentheses)
 MHA_EXTERN_TEMPLATES(MHA_LAYER_TYPES, MHA_LAYER_FORWARD_TEMPLATES)
 
 }  // namespace mha::detail

@@ -81,8 +81,10 @@ void prune_heads(LayerParameters<T>& parameters, const std::vector<Index>& heads
 }
 
 // The instantiations mha::compiled holds (src/layer_forward.cpp; see mha/compiled.hpp).
+// NOLINTBEGIN(bugprone-macro-parentheses): the arguments are a type and a keyword
 #define MHA_HEAD_SURGERY_TEMPLATES(PREFIX, T) \
   PREFIX template void prune_heads<T>(LayerParameters<T>&, const std::vector<Index>&);
+// NOLINTEND(bugprone-macro-parentheses)
 MHA_EXTERN_TEMPLATES(MHA_LAYER_TYPES, MHA_HEAD_SURGERY_TEMPLATES)
 
 }  // namespace mha::detail

@@ -399,7 +399,9 @@ std::string LayerParameters<T>::joined_names() const {
 }
 
 // The instantiations mha::compiled holds (src/layer_parameters.cpp; see mha/compiled.hpp).
+// NOLINTBEGIN(bugprone-macro-parentheses): the arguments are a type and a keyword
 #define MHA_LAYER_PARAMETERS_TEMPLATES(PREFIX, T) PREFIX template class LayerParameters<T>;
+// NOLINTEND(bugprone-macro-parentheses)
 MHA_EXTERN_TEMPLATES(MHA_LAYER_TYPES, MHA_LAYER_PARAMETERS_TEMPLATES)
 
 }  // namespace mha::detail

@@ -238,6 +238,7 @@ InputGradients<T> backward(LayerParameters<T>& parameters, const void* layer, Sa
 }
 
 // The instantiations mha::compiled holds (src/layer_training.cpp; see mha/compiled.hpp).
+// NOLINTBEGIN(bugprone-macro-parentheses): the arguments are a type and a keyword
 #define MHA_LAYER_TRAINING_TEMPLATES(PREFIX, T)                                                   \
   PREFIX template ForwardResult<T> forward_train<T>(                                              \
       LayerParameters<T>&, const void*, Random&, const TensorView<const T>&,                      \
@@ -245,6 +246,7 @@ InputGradients<T> backward(LayerParameters<T>& parameters, const void* layer, Sa
       SavedState<T>&);                                                                            \
   PREFIX template InputGradients<T> backward<T>(LayerParameters<T>&, const void*, SavedState<T>&, \
                                                 const TensorView<const T>&);
+// NOLINTEND(bugprone-macro-parentheses)
 MHA_EXTERN_TEMPLATES(MHA_TRAINABLE_TYPES, MHA_LAYER_TRAINING_TEMPLATES)
 
 }  // namespace detail
