@@ -24,6 +24,7 @@
 #include "mha/kernels/gemm.hpp"
 #include "mha/kernels/reference.hpp"
 #include "mha/kernels/talking_heads.hpp"
+#include "mha/kernels/tile_product.hpp"
 #include "mha/kv_cache.hpp"
 #include "mha/layer/config.hpp"
 #include "mha/layer/decode.hpp"

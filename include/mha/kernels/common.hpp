@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "mha/kernels/tile_product.hpp"
 #include "mha/mask.hpp"
 #include "mha/tensor.hpp"
 
@@ -235,11 +236,13 @@ struct CoreOptions {
   void add_scores(Tile& tile, const Q& q, const K& k, Matrix<T>& capped) const {
     if (softcap > T(0)) {
       auto corner = capped.topLeftCorner(tile.rows(), tile.cols());
-      corner.noalias() = scale * (q * k.transpose());
+      tile_product<T>(strided(corner), const_strided(q), Operand::as_stored, const_strided(k),
+                      Operand::transposed, Accumulate::no, scale);
       corner = (softcap * (corner.array() / softcap).tanh()).matrix();
       tile += corner;
     } else {
-      tile.noalias() += scale * (q * k.transpose());
+      tile_product<T>(strided(tile), const_strided(q), Operand::as_stored, const_strided(k),
+                      Operand::transposed, Accumulate::yes, scale);
     }
   }
   // grad_scores, the gradient of the capped scores, becomes that of the uncapped ones:

@@ -174,7 +174,9 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
           }
         }
         if (options.dropout.active()) options.dropout.apply(b, h, i0, j0, s);
-        acc_blk.noalias() += s * rows_as<T>(v_bh, j0, cols, mine.value_tile);
+        tile_product<T>(strided(acc_blk), const_strided(s), Operand::as_stored,
+                        const_strided(rows_as<T>(v_bh, j0, cols, mine.value_tile)),
+                        Operand::as_stored, Accumulate::yes);
       };
       for_each_key_block(options, h, key_len, query_len, i0, i0 + rows - 1, blocks.key, process);
 
@@ -285,21 +287,28 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
               }
             }
             auto grad_scores = mine.grad_scores.topLeftCorner(rows, cols);
-            grad_scores.noalias() = grad_out_blk * v_blk.transpose();
+            tile_product<T>(strided(grad_scores), const_strided(grad_out_blk), Operand::as_stored,
+                            const_strided(v_blk), Operand::transposed, Accumulate::no);
             if (options.dropout.active()) {
               auto dropped = mine.acc.topLeftCorner(rows, cols);
               dropped = probs;
               options.dropout.apply(b, h, i0, j0, dropped);
-              grad_v_blk.noalias() += dropped.transpose() * grad_out_blk;
+              tile_product<T>(strided(grad_v_blk), const_strided(dropped), Operand::transposed,
+                              const_strided(grad_out_blk), Operand::as_stored, Accumulate::yes);
               options.dropout.apply(b, h, i0, j0, grad_scores);
             } else {
-              grad_v_blk.noalias() += probs.transpose() * grad_out_blk;
+              tile_product<T>(strided(grad_v_blk), const_strided(probs), Operand::transposed,
+                              const_strided(grad_out_blk), Operand::as_stored, Accumulate::yes);
             }
             grad_scores.array() = probs.array() * (grad_scores.array().colwise() -
                                                    mine.row_dot.segment(i0, rows).array());
             options.softcap_backward(grad_scores, mine.capped);
-            grad_q_bh.middleRows(i0, rows).noalias() += options.scale * (grad_scores * k_blk);
-            grad_k_blk.noalias() += options.scale * (grad_scores.transpose() * q_blk);
+            tile_product<T>(strided(grad_q_bh.middleRows(i0, rows)), const_strided(grad_scores),
+                            Operand::as_stored, const_strided(k_blk), Operand::as_stored,
+                            Accumulate::yes, options.scale);
+            tile_product<T>(strided(grad_k_blk), const_strided(grad_scores), Operand::transposed,
+                            const_strided(q_blk), Operand::as_stored, Accumulate::yes,
+                            options.scale);
           }
         };
         for_each_key_block(options, h, key_len, query_len, 0, query_len - 1, blocks.key, key_block);

@@ -25,10 +25,9 @@
 #include "mha/compiled.hpp"
 #include "mha/kernels/common.hpp"
 #include "mha/kernels/convert.hpp"
+#include "mha/kernels/tile_product.hpp"
 
 namespace mha::detail {
-
-enum class Accumulate { no, yes };
 
 // dst [M, N] = (or +=) lhs [M, K] * rhs [K, N]; any Eigen expressions with row and column blocks
 // (maps, transposes, blocks).
@@ -83,9 +82,6 @@ void threaded_product(Dst&& dst, const Lhs& lhs, const Rhs& rhs, Accumulate accu
   }
 }
 
-// How the left operand enters matrix_product: as stored, or transposed.
-enum class Operand { as_stored, transposed };
-
 // dst [M, N] = (or +=) op(lhs) rhs, each a row-major block whose rows are outer-stride elements
 // apart: the layer's products besides the projections (the backward's weight gradients, lhs
 // transposed, and its input gradients). Blocks rather than Eigen expressions, so that one
@@ -97,29 +93,6 @@ void matrix_product(StridedMap<T> dst, ConstStridedMap<T> lhs, Operand lhs_op,
                     ConstStridedMap<T> rhs, Accumulate accumulate) {
   if (lhs_op == Operand::as_stored) return threaded_product(dst, lhs, rhs, accumulate);
   threaded_product(dst, lhs.transpose(), rhs, accumulate);
-}
-
-// A row-major dense block (a matrix, a map, a block of either) as the StridedMap the products
-// take; const blocks give a ConstStridedMap.
-template <class Dense>
-auto strided(Dense&& block) {
-  using Plain = std::decay_t<Dense>;
-  static_assert(
-      Plain::IsRowMajor || Plain::RowsAtCompileTime == 1,
-      "strided() takes row-major blocks; pass the stored operand with Operand::transposed");
-  using Scalar = typename Plain::Scalar;
-  if constexpr (std::is_const_v<std::remove_pointer_t<decltype(block.data())>>) {
-    return ConstStridedMap<Scalar>(block.data(), block.rows(), block.cols(),
-                                   Eigen::OuterStride<>(block.outerStride()));
-  } else {
-    return StridedMap<Scalar>(block.data(), block.rows(), block.cols(),
-                              Eigen::OuterStride<>(block.outerStride()));
-  }
-}
-// The same, read-only.
-template <class Dense>
-ConstStridedMap<typename std::decay_t<Dense>::Scalar> const_strided(const Dense& block) {
-  return {block.data(), block.rows(), block.cols(), Eigen::OuterStride<>(block.outerStride())};
 }
 
 // Rows first .. first + count - 1 of a 16-bit weight [N, K], widened into `scratch`'s
@@ -135,8 +108,8 @@ const T* converted_rows(KernelScratch<T>& scratch, const Eigen::Map<const Matrix
 }
 
 // dst [M, N] = (or +=) lhs [M, K] * weightᵀ, weight [N, K] row-major as a layer stores it (x Wᵀ,
-// a projection); dst and lhs are row-major blocks (strided(), below). With weights stored in a
-// 16-bit type, by the number of tokens M:
+// a projection); dst and lhs are row-major blocks (strided(), in tile_product.hpp). With
+// weights stored in a 16-bit type, by the number of tokens M:
 //   M <= 16 (a decoding step): each weight row is widened in registers inside the dot products
 //     (AVX-512; elsewhere as the panels below), so the weight is read once at 2 bytes an element;
 //   M >= N: the whole weight is converted once into scratch and one threaded GEMM runs (its

@@ -42,8 +42,8 @@ void attention_reference(Index batch, Index heads, const HeadLayout<const T>& q,
       // pass 2: probabilities (dropped out in training), then their weighted sum of values
       softmax_rows_inplace(scores, mine.exps);
       if (options.dropout.active()) options.dropout.apply(b, h, 0, 0, scores);
-      auto out_bh = out.at(b, h);
-      out_bh.noalias() = scores * v.at(b, h);
+      tile_product<T>(out.at(b, h), const_strided(scores), Operand::as_stored, v.at(b, h),
+                      Operand::as_stored, Accumulate::no);
       if (weights != nullptr) {
         Eigen::Map<Matrix<T>>(weights + (b * heads + h) * query_len * key_len, query_len, key_len) =
             scores;
@@ -108,24 +108,21 @@ void attention_reference_backward(Index batch, Index heads, const HeadLayout<con
           options.dropout.apply(b, h, 0, 0, grad_scores);
           dropped = &grad_scores;
         }
-        if (add) {
-          grad_v_bh.noalias() += dropped->transpose() * grad_out_bh;
-        } else {
-          grad_v_bh.noalias() = dropped->transpose() * grad_out_bh;
-        }
-        grad_scores.noalias() = grad_out_bh * v_bh.transpose();
+        const Accumulate onto_group = add ? Accumulate::yes : Accumulate::no;
+        tile_product<T>(grad_v_bh, const_strided(*dropped), Operand::transposed, grad_out_bh,
+                        Operand::as_stored, onto_group);
+        tile_product<T>(strided(grad_scores), grad_out_bh, Operand::as_stored, v_bh,
+                        Operand::transposed, Accumulate::no);
         if (options.dropout.active()) options.dropout.apply(b, h, 0, 0, grad_scores);
         // dS = P ∘ (dP - rowsum(P ∘ dP)), in place of dP
         mine.row_dot = (probs.array() * grad_scores.array()).rowwise().sum().matrix();
         grad_scores.array() =
             probs.array() * (grad_scores.array().colwise() - mine.row_dot.array());
         options.softcap_backward(grad_scores, mine.capped);
-        grad_q.at(b, h).noalias() = options.scale * (grad_scores * k_bh);
-        if (add) {
-          grad_k_bh.noalias() += options.scale * (grad_scores.transpose() * q_bh);
-        } else {
-          grad_k_bh.noalias() = options.scale * (grad_scores.transpose() * q_bh);
-        }
+        tile_product<T>(grad_q.at(b, h), const_strided(grad_scores), Operand::as_stored, k_bh,
+                        Operand::as_stored, Accumulate::no, options.scale);
+        tile_product<T>(grad_k_bh, const_strided(grad_scores), Operand::transposed, q_bh,
+                        Operand::as_stored, onto_group, options.scale);
       }
     }
   }

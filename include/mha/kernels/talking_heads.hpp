@@ -57,8 +57,14 @@ Eigen::Map<Matrix<T>> heads_as_rows(Eigen::Map<Matrix<T>> tile, Index heads) {
 }
 
 template <class T>
-Eigen::Map<const Matrix<T>> head_mix(const T* mix, Index heads) {
-  return Eigen::Map<const Matrix<T>>(mix, heads, heads);
+ConstStridedMap<T> head_mix(const T* mix, Index heads) {
+  return ConstStridedMap<T>(mix, heads, heads, Eigen::OuterStride<>(heads));
+}
+
+// A batch row's dpre or dpost [H, H] in `partial`.
+template <class T>
+StridedMap<T> square_block(T* data, Index heads) {
+  return StridedMap<T>(data, heads, heads, Eigen::OuterStride<>(heads));
 }
 
 // The probabilities P of batch row b's queries row0 .. row0 + rows - 1, [H * rows, S'], into the
@@ -81,7 +87,9 @@ void talking_heads_probs(Index b, Index row0, Index rows, Index heads, const Hea
       options.add_scores(logits_h, q.at(b, h).middleRows(row0, rows), k.at(b, h), mine.capped);
     }
     // pass 2: the mixed logits, then each mixed head's masks on top
-    heads_as_rows(probs, heads).noalias() = head_mix(mix.pre, heads) * heads_as_rows(logits, heads);
+    tile_product<T>(strided(heads_as_rows(probs, heads)), head_mix(mix.pre, heads),
+                    Operand::as_stored, const_strided(heads_as_rows(logits, heads)),
+                    Operand::as_stored, Accumulate::no);
     if (options.any_mask()) {
       auto masks_g = mine.scores.topRows(rows);
       for (Index g = 0; g < heads; ++g) {
@@ -154,16 +162,16 @@ void attention_talking_heads(Index batch, Index heads, const HeadLayout<const T>
       auto mixed =
           leading_rows(mix.post != nullptr ? mine.head_weights : mine.head_probs, heads * rows);
       if (mix.post != nullptr) {
-        heads_as_rows(mixed, heads).noalias() =
-            head_mix(mix.post, heads) *
-            heads_as_rows(leading_rows(mine.head_probs, heads * rows), heads);
+        tile_product<T>(
+            strided(heads_as_rows(mixed, heads)), head_mix(mix.post, heads), Operand::as_stored,
+            const_strided(heads_as_rows(leading_rows(mine.head_probs, heads * rows), heads)),
+            Operand::as_stored, Accumulate::no);
       }
       for (Index g = 0; g < heads; ++g) {
         auto weights_g = mixed.middleRows(g * rows, rows);
         if (options.dropout.active()) options.dropout.apply(b, g, row0, 0, weights_g);
-        auto out_g = out.at(b, g);
-        auto out_rows = out_g.middleRows(row0, rows);
-        out_rows.noalias() = weights_g * v.at(b, g);
+        tile_product<T>(strided(out.at(b, g).middleRows(row0, rows)), const_strided(weights_g),
+                        Operand::as_stored, v.at(b, g), Operand::as_stored, Accumulate::no);
         if (weights != nullptr) {
           Eigen::Map<Matrix<T>>(weights + ((b * heads + g) * query_len + row0) * key_len, rows,
                                 key_len) = weights_g;
@@ -244,7 +252,8 @@ void attention_talking_heads_backward(Index batch, Index heads, const HeadLayout
         const auto probs = heads_as_rows(probs_tile, heads);
         auto mixed = heads_as_rows(weights_tile, heads);
         if (mix.post != nullptr) {
-          mixed.noalias() = head_mix(mix.post, heads) * probs;
+          tile_product<T>(strided(mixed), head_mix(mix.post, heads), Operand::as_stored,
+                          const_strided(probs), Operand::as_stored, Accumulate::no);
         } else {
           mixed = probs;
         }
@@ -253,14 +262,16 @@ void attention_talking_heads_backward(Index batch, Index heads, const HeadLayout
           auto weights_g = weights_tile.middleRows(g * rows, rows);
           const auto grad_out_g = grad_out.at(b, g).middleRows(row0, rows);
           if (options.dropout.active()) options.dropout.apply(b, g, row0, 0, weights_g);
-          auto grad_v_g = grad_v.at(b, g);
-          grad_v_g.noalias() += weights_g.transpose() * grad_out_g;
-          weights_g.noalias() = grad_out_g * v.at(b, g).transpose();
+          tile_product<T>(grad_v.at(b, g), const_strided(weights_g), Operand::transposed,
+                          const_strided(grad_out_g), Operand::as_stored, Accumulate::yes);
+          tile_product<T>(strided(weights_g), const_strided(grad_out_g), Operand::as_stored,
+                          v.at(b, g), Operand::transposed, Accumulate::no);
           if (options.dropout.active()) options.dropout.apply(b, g, row0, 0, weights_g);
         }
         if (want_post) {
-          Eigen::Map<Matrix<T>>(partial_b + mix_size, heads, heads).noalias() +=
-              mixed * probs.transpose();
+          tile_product<T>(square_block(partial_b + mix_size, heads), const_strided(mixed),
+                          Operand::as_stored, const_strided(probs), Operand::transposed,
+                          Accumulate::yes);
         }
         // dmixed, head by head in place of P (read only by its own head from here on)
         const auto softmax_backward = [&](auto&& probs_h, const auto& grad_probs_h) {
@@ -273,8 +284,13 @@ void attention_talking_heads_backward(Index batch, Index heads, const HeadLayout
           if (mix.post != nullptr) {
             // dP[h] = Σ_g post[g, h] dW[g]: all of dW is still needed by the other heads
             auto grad_probs_h = leading_rows(mine.grad_scores, rows);
-            Eigen::Map<RowVector<T>>(grad_probs_h.data(), grad_probs_h.size()).noalias() =
-                head_mix(mix.post, heads).col(h).transpose() * mixed;
+            // as one row [1, rows · S'] = post[:, h]ᵀ [1, H] times dW [H, rows · S']
+            const ConstStridedMap<T> post_column(mix.post + h, heads, 1,
+                                                 Eigen::OuterStride<>(heads));
+            tile_product<T>(StridedMap<T>(grad_probs_h.data(), 1, grad_probs_h.size(),
+                                          Eigen::OuterStride<>(grad_probs_h.size())),
+                            post_column, Operand::transposed, const_strided(mixed),
+                            Operand::as_stored, Accumulate::no);
             softmax_backward(probs_h, grad_probs_h);
           } else {
             softmax_backward(probs_h, weights_tile.middleRows(h * rows, rows));
@@ -283,11 +299,13 @@ void attention_talking_heads_backward(Index batch, Index heads, const HeadLayout
         // dlogits = preᵀ dmixed, in dW's place (dW is spent); without pre, dlogits is dmixed
         if (mix.pre != nullptr) {
           if (want_pre) {
-            Eigen::Map<Matrix<T>>(partial_b, heads, heads).noalias() +=
-                probs *
-                heads_as_rows(leading_rows(mine.head_logits, heads * rows), heads).transpose();
+            tile_product<T>(
+                square_block(partial_b, heads), const_strided(probs), Operand::as_stored,
+                const_strided(heads_as_rows(leading_rows(mine.head_logits, heads * rows), heads)),
+                Operand::transposed, Accumulate::yes);
           }
-          mixed.noalias() = head_mix(mix.pre, heads).transpose() * probs;
+          tile_product<T>(strided(mixed), head_mix(mix.pre, heads), Operand::transposed,
+                          const_strided(probs), Operand::as_stored, Accumulate::no);
         }
         auto grad_logits = mix.pre != nullptr ? weights_tile : probs_tile;
         // softcap: d/ds c tanh(s / c) = 1 - (capped / c)², as CoreOptions::softcap_backward, from
@@ -300,11 +318,11 @@ void attention_talking_heads_backward(Index batch, Index heads, const HeadLayout
         for (Index h = 0; h < heads; ++h) {
           const auto grad_scores_h = grad_logits.middleRows(h * rows, rows);
           const auto q_h = q.at(b, h).middleRows(row0, rows);
-          auto grad_q_h = grad_q.at(b, h);
-          auto grad_q_rows = grad_q_h.middleRows(row0, rows);
-          grad_q_rows.noalias() = options.scale * (grad_scores_h * k.at(b, h));
-          auto grad_k_h = grad_k.at(b, h);
-          grad_k_h.noalias() += options.scale * (grad_scores_h.transpose() * q_h);
+          tile_product<T>(strided(grad_q.at(b, h).middleRows(row0, rows)),
+                          const_strided(grad_scores_h), Operand::as_stored, k.at(b, h),
+                          Operand::as_stored, Accumulate::no, options.scale);
+          tile_product<T>(grad_k.at(b, h), const_strided(grad_scores_h), Operand::transposed,
+                          const_strided(q_h), Operand::as_stored, Accumulate::yes, options.scale);
         }
       }
     }
