@@ -3,6 +3,7 @@
 #   -DMHA_BINARY_DIR=<mha build tree>      -DCONSUMER_SOURCE_DIR=<this directory>
 #   -DWORK_DIR=<scratch directory, wiped>  -DCXX_COMPILER=<C++ compiler>
 #   optional: -DCXX_FLAGS=<CMAKE_CXX_FLAGS for the consumer, e.g. sanitizer flags>
+#             -DGENERATOR=<CMake generator>
 #             -DEXPECT_COMPILED=ON (mha was built with MHA_COMPILED: consumer_compiled must run)
 cmake_minimum_required(VERSION 3.16)
 
@@ -21,11 +22,11 @@ run_step(install ${CMAKE_COMMAND} --install "${MHA_BINARY_DIR}" --prefix "${pref
 if(NOT DEFINED EXPECT_COMPILED)
   set(EXPECT_COMPILED OFF)
 endif()
-run_step(configure ${CMAKE_COMMAND} -S "${CONSUMER_SOURCE_DIR}" -B "${build}"
+run_step(configure ${CMAKE_COMMAND} ${generator_args} -S "${CONSUMER_SOURCE_DIR}" -B "${build}"
          "-DCMAKE_PREFIX_PATH=${prefix}" "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}"
          "-DCMAKE_CXX_FLAGS=${CXX_FLAGS}" "-DMHA_EXPECT_COMPILED=${EXPECT_COMPILED}")
 
-run_step(build ${CMAKE_COMMAND} --build "${build}")
+run_step(build ${CMAKE_COMMAND} --build "${build}" --parallel ${build_jobs})
 
 # Single-config generators put the programs in the build directory, multi-config ones in a
 # per-configuration subdirectory (Debug by default).

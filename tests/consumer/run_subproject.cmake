@@ -3,7 +3,8 @@
 # Run with cmake -P:
 #   -DMODE=add_subdirectory|fetchcontent   -DMHA_SOURCE_DIR=<mha source tree>
 #   -DCONSUMER_SOURCE_DIR=<tests/consumer/subproject>  -DWORK_DIR=<scratch directory, wiped>
-#   -DCXX_COMPILER=<C++ compiler>   optional: -DCXX_FLAGS=<CMAKE_CXX_FLAGS for the consumer>
+#   -DCXX_COMPILER=<C++ compiler>   optional: -DCXX_FLAGS=<CMAKE_CXX_FLAGS for the consumer>,
+#   -DGENERATOR=<CMake generator>
 cmake_minimum_required(VERSION 3.16)
 
 set(CONSUMER_TEST "consumer test (${MODE})")
@@ -21,7 +22,7 @@ file(MAKE_DIRECTORY "${WORK_DIR}")
 
 # No build type, as a consumer that sets none: mha must not choose one for its parent project.
 # MHA_COMPILED as a user turns it on, with the one layer type the consumer uses.
-run_step(configure ${CMAKE_COMMAND} -S "${CONSUMER_SOURCE_DIR}" -B "${build}"
+run_step(configure ${CMAKE_COMMAND} ${generator_args} -S "${CONSUMER_SOURCE_DIR}" -B "${build}"
          "-DMHA_CONSUMER_MODE=${MODE}" "-DMHA_SOURCE_DIR=${MHA_SOURCE_DIR}"
          "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}" "-DCMAKE_CXX_FLAGS=${CXX_FLAGS}"
          "-DFETCHCONTENT_FULLY_DISCONNECTED=ON" -DMHA_COMPILED=ON -DMHA_COMPILED_TYPES=float)
@@ -42,13 +43,7 @@ if(NOT EXISTS "${build}/mha")
   message(FATAL_ERROR "consumer test (${MODE}): mha's binary directory is not ${build}/mha")
 endif()
 
-# In parallel: this is the longest consumer test, and CTest runs others beside it.
-include(ProcessorCount)
-ProcessorCount(jobs)
-if(jobs LESS 1)
-  set(jobs 1)
-endif()
-run_step(build ${CMAKE_COMMAND} --build "${build}" --parallel ${jobs}
+run_step(build ${CMAKE_COMMAND} --build "${build}" --parallel ${build_jobs}
          --target consumer consumer_compiled)
 
 foreach(program consumer consumer_compiled)

@@ -12,6 +12,18 @@ macro(require_arguments)
   if(NOT DEFINED CXX_FLAGS)
     set(CXX_FLAGS "")
   endif()
+  # The parent build's generator (-DGENERATOR=...), so that a Ninja build tests with Ninja; and
+  # as many build jobs as processors: the consumer tests are the longest, and CTest runs the
+  # others beside them.
+  set(generator_args "")
+  if(DEFINED GENERATOR AND NOT GENERATOR STREQUAL "")
+    set(generator_args -G "${GENERATOR}")
+  endif()
+  include(ProcessorCount)
+  ProcessorCount(build_jobs)
+  if(build_jobs LESS 1)
+    set(build_jobs 1)
+  endif()
 endmacro()
 
 # Runs one step; on failure stops with the step's command and output. A step named "run ..."
