@@ -28,8 +28,8 @@ run_step(configure ${CMAKE_COMMAND} ${generator_args} -S "${CONSUMER_SOURCE_DIR}
 
 run_step(build ${CMAKE_COMMAND} --build "${build}" --parallel ${build_jobs})
 
-# Single-config generators put the programs in the build directory, multi-config ones in a
-# per-configuration subdirectory (Debug by default).
+# consumer_io, when mha::io was there to build it (in the build directory, or a multi-config
+# generator's Debug subdirectory).
 set(programs consumer)
 if(EXPECT_COMPILED)
   list(APPEND programs consumer_compiled)
@@ -41,14 +41,5 @@ else()
   message(STATUS "consumer test: mha::io not available (no nlohmann/json), consumer_io not built")
 endif()
 foreach(program IN LISTS programs)
-  set(path "")
-  foreach(candidate "${build}/${program}" "${build}/${program}.exe" "${build}/Debug/${program}.exe")
-    if(path STREQUAL "" AND EXISTS "${candidate}" AND NOT IS_DIRECTORY "${candidate}")
-      set(path "${candidate}")
-    endif()
-  endforeach()
-  if(path STREQUAL "")
-    message(FATAL_ERROR "consumer test: the program '${program}' was not built in ${build}")
-  endif()
-  run_step("run ${program}" "${path}")
+  run_built_program("${build}" ${program})
 endforeach()

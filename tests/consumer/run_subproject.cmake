@@ -47,15 +47,5 @@ run_step(build ${CMAKE_COMMAND} --build "${build}" --parallel ${build_jobs}
          --target consumer consumer_compiled)
 
 foreach(program consumer consumer_compiled)
-  set(path "")
-  foreach(candidate "${build}/${program}" "${build}/${program}.exe"
-                    "${build}/Debug/${program}.exe")
-    if(path STREQUAL "" AND EXISTS "${candidate}" AND NOT IS_DIRECTORY "${candidate}")
-      set(path "${candidate}")
-    endif()
-  endforeach()
-  if(path STREQUAL "")
-    message(FATAL_ERROR "consumer test (${MODE}): the program '${program}' was not built in ${build}")
-  endif()
-  run_step("run ${program}" "${path}")
+  run_built_program("${build}" ${program})
 endforeach()

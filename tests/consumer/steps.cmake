@@ -1,6 +1,6 @@
 # What the consumer test scripts share (include()d by run.cmake and run_subproject.cmake): the
-# check of their -D arguments, and run_step. The includer sets CONSUMER_TEST, its name in
-# messages.
+# check of their -D arguments (with the generator and the build jobs they give), run_step and
+# run_built_program. The includer sets CONSUMER_TEST, its name in messages.
 
 # Stops unless every variable named is given and not empty; CXX_FLAGS defaults to "".
 macro(require_arguments)
@@ -25,6 +25,21 @@ macro(require_arguments)
     set(build_jobs 1)
   endif()
 endmacro()
+
+# Finds the program built in `build` (single-config generators put it in the build directory,
+# multi-config ones in a per-configuration subdirectory, Debug by default) and runs it as a step.
+function(run_built_program build program)
+  set(path "")
+  foreach(candidate "${build}/${program}" "${build}/${program}.exe" "${build}/Debug/${program}.exe")
+    if(path STREQUAL "" AND EXISTS "${candidate}" AND NOT IS_DIRECTORY "${candidate}")
+      set(path "${candidate}")
+    endif()
+  endforeach()
+  if(path STREQUAL "")
+    message(FATAL_ERROR "${CONSUMER_TEST}: the program '${program}' was not built in ${build}")
+  endif()
+  run_step("run ${program}" "${path}")
+endfunction()
 
 # Runs one step; on failure stops with the step's command and output. A step named "run ..."
 # shows the program's output.
