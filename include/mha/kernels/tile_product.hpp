@@ -7,8 +7,8 @@
 // scaled product) instantiates Eigen's product dispatch, its GEMV and coefficient-based paths
 // and their packet code again, which is most of a kernel's compile time. With blocks, one
 // instantiation per scalar type serves every kernel (compiled once in mha::compiled). The
-// arithmetic is Eigen's GEMM as before: a product's rounding depends on its shape, not on which
-// kernel asks for it.
+// arithmetic is Eigen's GEMM as before, and the same operands give the same result whichever
+// kernel asks.
 #pragma once
 
 #include <type_traits>
@@ -46,10 +46,10 @@ ConstStridedMap<typename std::decay_t<Dense>::Scalar> const_strided(const Dense&
   return {block.data(), block.rows(), block.cols(), Eigen::OuterStride<>(block.outerStride())};
 }
 
-// dst [M, N] = (or +=) alpha · op(lhs) · op(rhs), op(lhs) [M, K] and op(rhs) [K, N], serially:
-// the kernels call it inside their own parallel regions, where Eigen never threads. alpha is
-// Eigen's GEMM scale (alpha · (A B), not (alpha A) B); with alpha = 1 the result is the unscaled
-// product's, bit for bit.
+// dst [M, N] = (or +=) alpha · op(lhs) · op(rhs), op(lhs) [M, K] and op(rhs) [K, N]. It opens no
+// parallel region of its own: the kernels call it from inside theirs, where they wrote the same
+// Eigen products before. alpha is Eigen's GEMM scale (alpha · (A B), not (alpha A) B); with
+// alpha = 1 the result is the unscaled product's, bit for bit.
 template <class T>
 void tile_product(StridedMap<T> dst, ConstStridedMap<T> lhs, Operand lhs_op, ConstStridedMap<T> rhs,
                   Operand rhs_op, Accumulate accumulate, T alpha = T(1)) {
