@@ -1,10 +1,11 @@
 // Heads specialise by themselves: one attention layer with 4 heads is trained from scratch on a
 // task that needs two different relations at once, and we watch which head took which job.
 //
-// The task, the model and the hand-written backward are in specialization_task.hpp (shared with
-// head_count_tradeoff.cpp). This program trains, then prints each head's attention on a held-out
-// sequence as a text heatmap with its entropy (mha/diagnostics.hpp), and a verdict measured from
-// the weights: which head looks at the previous position, which at the earlier occurrence.
+// The task, the model and the hand-written backward are in specialization_task.hpp and .cpp
+// (shared with head_count_tradeoff.cpp). This program trains, then prints each head's attention on
+// a held-out sequence as a text heatmap with its entropy (mha/diagnostics.hpp), and a verdict
+// measured from the weights: which head looks at the previous position, which at the earlier
+// occurrence.
 //
 // The heatmaps are also written as pictures, head_specialization_heads.svg (and .png when built
 // with stb), into the current directory or the one given with --output-dir.
