@@ -1,6 +1,6 @@
-// An outside program using mha: built against mha::mha (header-only) and, as consumer_compiled
-// with MHA_CONSUMER_COMPILED defined, against mha::compiled; by tests/consumer (find_package) and
-// tests/consumer/subproject (add_subdirectory, FetchContent).
+// An outside program using mha: built against mha::mha (header-only) by tests/consumer
+// (find_package) and, as consumer_compiled with MHA_CONSUMER_COMPILED defined, against
+// mha::compiled by it and by tests/consumer/subproject (add_subdirectory, FetchContent).
 #include <mha/mha.hpp>
 
 #include <cmath>
