@@ -29,44 +29,47 @@
 
 namespace mha::detail {
 
-// dst [M, N] = (or +=) lhs [M, K] * rhs [K, N]; any Eigen expressions with row and column blocks
-// (maps, transposes, blocks).
-template <class Dst, class Lhs, class Rhs>
-void threaded_product(Dst&& dst, const Lhs& lhs, const Rhs& rhs, Accumulate accumulate) {
+// dst [M, N] = (or +=) lhs [M, K] · rowsᵀ, rows [N, K]: for a few rows of lhs, as dot products of
+// contiguous rows (Eigen's coefficient-based product) rather than a GEMM that packs all of rows.
+template <class T>
+void dot_products(StridedMap<T> dst, ConstStridedMap<T> lhs, ConstStridedMap<T> rows,
+                  Accumulate accumulate) {
+  if (accumulate == Accumulate::yes) {
+    dst.noalias() += lhs.lazyProduct(rows.transpose());
+  } else {
+    dst.noalias() = lhs.lazyProduct(rows.transpose());
+  }
+}
+
+// dst [M, N] = (or +=) op(lhs) [M, K] · op(rhs) [K, N], dst, lhs and rhs row-major blocks. Each
+// slab is one tile_product (or dot_products, for a few rows): every product of the layer then
+// instantiates the same few Eigen products, compiled once in src/products.cpp.
+template <class T>
+void threaded_product(StridedMap<T> dst, ConstStridedMap<T> lhs, Operand lhs_op,
+                      ConstStridedMap<T> rhs, Operand rhs_op, Accumulate accumulate) {
   constexpr Index kMaxSlabs = 8, kMinSlab = 32, kSmallRows = 16, kDotSlab = 64;
-  constexpr bool kContiguousColumns = !std::decay_t<Rhs>::IsRowMajor;
-  [[maybe_unused]] const double work = static_cast<double>(dst.rows()) *
-                                       static_cast<double>(dst.cols()) *
-                                       static_cast<double>(lhs.cols());
-  if constexpr (kContiguousColumns) {
-    if (dst.rows() <= kSmallRows && dst.cols() > dst.rows()) {
-      const Index slabs = (dst.cols() + kDotSlab - 1) / kDotSlab;
-      MHA_OMP_PRAGMA(
-          omp parallel for schedule(static) if (max_threads() > 1 && work >= kMinParallelWork))
-      for (Index slab = 0; slab < slabs; ++slab) {
-        const Index start = slab * kDotSlab, count = std::min(kDotSlab, dst.cols() - start);
-        auto dst_slab = dst.middleCols(start, count);
-        if (accumulate == Accumulate::yes) {
-          dst_slab.noalias() += lhs.lazyProduct(rhs.middleCols(start, count));
-        } else {
-          dst_slab.noalias() = lhs.lazyProduct(rhs.middleCols(start, count));
-        }
-      }
-      return;
+  const bool lhs_transposed = lhs_op == Operand::transposed;
+  const bool rhs_transposed = rhs_op == Operand::transposed;
+  [[maybe_unused]] const double work =
+      static_cast<double>(dst.rows()) * static_cast<double>(dst.cols()) *
+      static_cast<double>(lhs_transposed ? lhs.rows() : lhs.cols());
+  // A transposed right operand has contiguous columns: its rows, as stored.
+  if (!lhs_transposed && rhs_transposed && dst.rows() <= kSmallRows && dst.cols() > dst.rows()) {
+    const Index slabs = (dst.cols() + kDotSlab - 1) / kDotSlab;
+    MHA_OMP_PRAGMA(
+        omp parallel for schedule(static) if (max_threads() > 1 && work >= kMinParallelWork))
+    for (Index slab = 0; slab < slabs; ++slab) {
+      const Index start = slab * kDotSlab, count = std::min(kDotSlab, dst.cols() - start);
+      dot_products<T>(strided(dst.middleCols(start, count)), lhs,
+                      const_strided(rhs.middleRows(start, count)), accumulate);
     }
+    return;
   }
   const bool by_rows = dst.rows() >= dst.cols();
   const Index extent = by_rows ? dst.rows() : dst.cols();
   const Index width =
       std::max(kMinSlab, ((extent + kMaxSlabs - 1) / kMaxSlabs + 7) / 8 * 8);  // multiple of 8
   const Index slabs = (extent + width - 1) / width;
-  const auto product = [&](auto&& dst_slab, const auto& lhs_slab, const auto& rhs_slab) {
-    if (accumulate == Accumulate::yes) {
-      dst_slab.noalias() += lhs_slab * rhs_slab;
-    } else {
-      dst_slab.noalias() = lhs_slab * rhs_slab;
-    }
-  };
   // With more than one thread available, always inside a parallel region, even for one slab:
   // outside one, Eigen would thread a large product itself. With one thread, or below
   // kMinParallelWork (where Eigen does not thread either), no region.
@@ -74,10 +77,20 @@ void threaded_product(Dst&& dst, const Lhs& lhs, const Rhs& rhs, Accumulate accu
       omp parallel for schedule(static) if (max_threads() > 1 && work >= kMinParallelWork))
   for (Index slab = 0; slab < slabs; ++slab) {
     const Index start = slab * width, count = std::min(width, extent - start);
+    // Rows of op(lhs) are columns of a transposed lhs as stored; columns of op(rhs), rows of a
+    // transposed rhs.
     if (by_rows) {
-      product(dst.middleRows(start, count), lhs.middleRows(start, count), rhs);
+      const ConstStridedMap<T> lhs_slab = lhs_transposed
+                                              ? const_strided(lhs.middleCols(start, count))
+                                              : const_strided(lhs.middleRows(start, count));
+      tile_product<T>(strided(dst.middleRows(start, count)), lhs_slab, lhs_op, rhs, rhs_op,
+                      accumulate);
     } else {
-      product(dst.middleCols(start, count), lhs, rhs.middleCols(start, count));
+      const ConstStridedMap<T> rhs_slab = rhs_transposed
+                                              ? const_strided(rhs.middleRows(start, count))
+                                              : const_strided(rhs.middleCols(start, count));
+      tile_product<T>(strided(dst.middleCols(start, count)), lhs, lhs_op, rhs_slab, rhs_op,
+                      accumulate);
     }
   }
 }
@@ -91,8 +104,7 @@ void threaded_product(Dst&& dst, const Lhs& lhs, const Rhs& rhs, Accumulate accu
 template <class T>
 void matrix_product(StridedMap<T> dst, ConstStridedMap<T> lhs, Operand lhs_op,
                     ConstStridedMap<T> rhs, Accumulate accumulate) {
-  if (lhs_op == Operand::as_stored) return threaded_product(dst, lhs, rhs, accumulate);
-  threaded_product(dst, lhs.transpose(), rhs, accumulate);
+  threaded_product<T>(dst, lhs, lhs_op, rhs, Operand::as_stored, accumulate);
 }
 
 // Rows first .. first + count - 1 of a 16-bit weight [N, K], widened into `scratch`'s
@@ -122,7 +134,8 @@ void product_transposed(StridedMap<T> dst, ConstStridedMap<T> lhs,
                         const Eigen::Map<const Matrix<Stored>>& weight, Accumulate accumulate,
                         std::vector<KernelScratch<T>>& scratch) {
   if constexpr (std::is_same_v<T, Stored>) {
-    threaded_product(dst, lhs, weight.transpose(), accumulate);
+    threaded_product<T>(dst, lhs, Operand::as_stored, const_strided(weight), Operand::transposed,
+                        accumulate);
   } else {
     // 128 rows: a [B·L, K] left operand is re-packed once per panel, which costs about 1/64 of
     // a byte per FLOP.
@@ -154,9 +167,10 @@ void product_transposed(StridedMap<T> dst, ConstStridedMap<T> lhs,
       // At least as many tokens as weight rows: the float copy of the whole weight is no larger
       // than dst itself, and one threaded GEMM re-packs lhs once instead of once per panel
       // (measured at L = 2048, E = 512: 12 % slower than float with panels).
-      const Eigen::Map<const Matrix<T>> whole(
-          converted_rows(scratch.front(), weight, 0, weight.rows()), weight.rows(), weight.cols());
-      threaded_product(dst, lhs, whole.transpose(), accumulate);
+      const ConstStridedMap<T> whole(converted_rows(scratch.front(), weight, 0, weight.rows()),
+                                     weight.rows(), weight.cols(),
+                                     Eigen::OuterStride<>(weight.cols()));
+      threaded_product<T>(dst, lhs, Operand::as_stored, whole, Operand::transposed, accumulate);
       return;
     }
     MHA_OMP_PRAGMA(omp parallel if (max_threads() > 1 && work >= kMinParallelWork)) {
@@ -164,19 +178,14 @@ void product_transposed(StridedMap<T> dst, ConstStridedMap<T> lhs,
       MHA_OMP_PRAGMA(omp for schedule(static))
       for (Index p = 0; p < panels; ++p) {
         const Index start = p * kPanelRows, count = std::min(kPanelRows, weight.rows() - start);
-        const Eigen::Map<const Matrix<T>> panel(converted_rows(mine, weight, start, count), count,
-                                                weight.cols());
-        auto dst_panel = dst.middleCols(start, count);
+        const ConstStridedMap<T> panel(converted_rows(mine, weight, start, count), count,
+                                       weight.cols(), Eigen::OuterStride<>(weight.cols()));
+        const StridedMap<T> dst_panel = strided(dst.middleCols(start, count));
         if (small) {  // a few tokens: dot products, as threaded_product
-          if (accumulate == Accumulate::yes) {
-            dst_panel.noalias() += lhs.lazyProduct(panel.transpose());
-          } else {
-            dst_panel.noalias() = lhs.lazyProduct(panel.transpose());
-          }
-        } else if (accumulate == Accumulate::yes) {
-          dst_panel.noalias() += lhs * panel.transpose();
+          dot_products<T>(dst_panel, lhs, panel, accumulate);
         } else {
-          dst_panel.noalias() = lhs * panel.transpose();
+          tile_product<T>(dst_panel, lhs, Operand::as_stored, panel, Operand::transposed,
+                          accumulate);
         }
       }
     }
