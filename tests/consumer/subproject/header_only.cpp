@@ -3,7 +3,7 @@
 // FetchContent. It checks what taking the source tree changes: that the target gives the include
 // directory and no MHA_COMPILED, and that the layer's headers compile, link and run in the
 // parent's build. A forward call compiled header-only (tests/consumer/main.cpp: 18 s of g++ at
-// -O0, most of either subproject test's time) is built by consumer_find_package from the same
+// -O0, the largest unit of the consumer tests) is built by consumer_find_package from the same
 // headers, installed; the same program against mha::compiled (consumer_compiled) runs here.
 #include <mha/mha.hpp>
 
