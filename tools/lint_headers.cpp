@@ -17,6 +17,7 @@
 #include "mha/io/element_bits.hpp"
 #include "mha/io/safetensors.hpp"
 #include "mha/io/safetensors_format.hpp"
+#include "mha/io/safetensors_format_impl.hpp"
 #include "mha/kernels/common.hpp"
 #include "mha/kernels/convert.hpp"
 #include "mha/kernels/flash.hpp"

@@ -5,6 +5,7 @@
 #   optional: -DCXX_FLAGS=<CMAKE_CXX_FLAGS for the consumer, e.g. sanitizer flags>
 #             -DGENERATOR=<CMake generator>
 #             -DEXPECT_COMPILED=ON (mha was built with MHA_COMPILED: consumer_compiled must run)
+#             -DEXPECT_COMPILED_IO=ON (... and with nlohmann/json: consumer_io_compiled must run)
 cmake_minimum_required(VERSION 3.16)
 
 set(CONSUMER_TEST "consumer test")
@@ -19,12 +20,15 @@ file(MAKE_DIRECTORY "${WORK_DIR}")
 
 run_step(install ${CMAKE_COMMAND} --install "${MHA_BINARY_DIR}" --prefix "${prefix}")
 
-if(NOT DEFINED EXPECT_COMPILED)
-  set(EXPECT_COMPILED OFF)
-endif()
+foreach(expectation EXPECT_COMPILED EXPECT_COMPILED_IO)
+  if(NOT DEFINED ${expectation})
+    set(${expectation} OFF)
+  endif()
+endforeach()
 run_step(configure ${CMAKE_COMMAND} ${generator_args} -S "${CONSUMER_SOURCE_DIR}" -B "${build}"
          "-DCMAKE_PREFIX_PATH=${prefix}" "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}"
-         "-DCMAKE_CXX_FLAGS=${CXX_FLAGS}" "-DMHA_EXPECT_COMPILED=${EXPECT_COMPILED}")
+         "-DCMAKE_CXX_FLAGS=${CXX_FLAGS}" "-DMHA_EXPECT_COMPILED=${EXPECT_COMPILED}"
+         "-DMHA_EXPECT_COMPILED_IO=${EXPECT_COMPILED_IO}")
 
 run_step(build ${CMAKE_COMMAND} --build "${build}" --parallel ${build_jobs})
 
@@ -33,6 +37,9 @@ run_step(build ${CMAKE_COMMAND} --build "${build}" --parallel ${build_jobs})
 set(programs consumer)
 if(EXPECT_COMPILED)
   list(APPEND programs consumer_compiled)
+endif()
+if(EXPECT_COMPILED_IO)
+  list(APPEND programs consumer_io_compiled)
 endif()
 if(EXISTS "${build}/consumer_io" OR EXISTS "${build}/consumer_io.exe"
    OR EXISTS "${build}/Debug/consumer_io.exe")
