@@ -13,12 +13,27 @@
 // skip their instantiation (and so the Eigen products and kernels below them). An inline
 // function's (one defined inside its class) would still be instantiated, for inlining.
 //
+// Non-template functions (the shape messages, heatmap drawing, diagnostics) are marked
+// MHA_FUNCTION and have their definitions under `#if MHA_FUNCTION_DEFINITIONS`. Header-only, they
+// are inline and defined in every file; compiled, the headers only declare them, and the library
+// defines each once, in src/functions.cpp, which defines MHA_DEFINE_FUNCTIONS before it includes
+// them. A consumer's file then compiles none of their string formatting.
+//
 // Which layer types the library holds is CMake's MHA_COMPILED_TYPES (all four by default), which
 // defines MHA_COMPILED_FLOAT, _DOUBLE, _HALF and _BFLOAT16 for the chosen ones; a type left out
 // is instantiated where it is used, as in header-only mode.
 #pragma once
 
-#include <Eigen/Core>
+#if !defined(MHA_COMPILED)
+#define MHA_FUNCTION inline
+#define MHA_FUNCTION_DEFINITIONS 1
+#elif defined(MHA_DEFINE_FUNCTIONS)
+#define MHA_FUNCTION
+#define MHA_FUNCTION_DEFINITIONS 1
+#else
+#define MHA_FUNCTION
+#define MHA_FUNCTION_DEFINITIONS 0
+#endif
 
 #if defined(MHA_COMPILED) && !defined(MHA_COMPILED_FLOAT) && !defined(MHA_COMPILED_DOUBLE) && \
     !defined(MHA_COMPILED_HALF) && !defined(MHA_COMPILED_BFLOAT16)

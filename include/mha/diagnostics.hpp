@@ -24,8 +24,10 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "mha/compiled.hpp"
 #include "mha/errors.hpp"
 #include "mha/finite.hpp"
 #include "mha/heads.hpp"
@@ -69,11 +71,14 @@ void head_entropy_means(TensorView<const T> weights, Vector<T>& entropy, Vector<
   const HeadWeightsShape s = check_head_weights(weights.shape());
   using Column = Eigen::Array<T, Eigen::Dynamic, 1>;
   Column entropy_sum = Column::Zero(s.heads), normalised_sum = Column::Zero(s.heads);
-  Eigen::Array<Index, Eigen::Dynamic, 1> counted =
-      Eigen::Array<Index, Eigen::Dynamic, 1>::Zero(s.heads);
+  // Counts of Index, spelt through T so that the expressions on them stay dependent: Eigen's
+  // classes for them are then instantiated only where the function is, not in every file that
+  // includes this header.
+  using Counts = Eigen::Array<std::conditional_t<std::is_void_v<T>, T, Index>, Eigen::Dynamic, 1>;
+  Counts counted = Counts::Zero(s.heads);
   // Scratch for one [L, S] block, sized once.
   Column row_entropy(s.rows);
-  Eigen::Array<Index, Eigen::Dynamic, 1> visible(s.rows);
+  Counts visible(s.rows);
   for (Index b = 0; b < s.batch; ++b) {
     for (Index h = 0; h < s.heads; ++h) {
       const Eigen::Map<const Matrix<T>> block(
@@ -105,13 +110,16 @@ Tensor<T> to_head_tensor(const Vector<T>& values) {
   return out;
 }
 
-inline void check_threshold(double threshold) {
+MHA_FUNCTION void check_threshold(double threshold);
+#if MHA_FUNCTION_DEFINITIONS
+MHA_FUNCTION void check_threshold(double threshold) {
   if (!(threshold > 0.0 && threshold <= 1.0)) {
     std::ostringstream value;
     value << threshold;
     throw_argument("threshold", "must be in (0, 1], got " + value.str());
   }
 }
+#endif
 
 // The parameters of a MultiHeadAttention layer that are split by head, under their PyTorch names.
 enum class HeadParameter {
@@ -289,11 +297,7 @@ std::vector<Index> uniform_heads(TensorView<const T> weights,
 // (MultiHeadAttention::prune_heads, or gates of 0).
 class HeadImportance {
  public:
-  explicit HeadImportance(Index num_heads) : sums_(static_cast<std::size_t>(num_heads), 0.0) {
-    if (num_heads < 1) {
-      detail::throw_argument("num_heads", "expected at least 1, got " + std::to_string(num_heads));
-    }
-  }
+  explicit HeadImportance(Index num_heads);
 
   // gate_gradient: [H], InputGradients::head_gate of one backward.
   template <class T>
@@ -309,35 +313,48 @@ class HeadImportance {
   Index num_heads() const { return static_cast<Index>(sums_.size()); }
   Index batches() const { return batches_; }
   // [H]: I_h, divided by the L2 norm of all H when normalise (all 0 stays 0).
-  std::vector<double> scores(bool normalise = true) const {
-    std::vector<double> result = sums_;
-    double norm = 0;
-    for (const double s : result) norm += s * s;
-    norm = std::sqrt(norm);
-    if (normalise && norm > 0) {
-      for (double& s : result) s /= norm;
-    }
-    return result;
-  }
+  std::vector<double> scores(bool normalise = true) const;
   // The `count` heads of lowest importance, lowest first (ties by index).
-  std::vector<Index> least_important(Index count) const {
-    if (count < 0 || count > num_heads()) {
-      detail::throw_argument("count", "expected 0 .. " + std::to_string(num_heads()) + ", got " +
-                                          std::to_string(count));
-    }
-    std::vector<Index> order(sums_.size());
-    for (std::size_t h = 0; h < order.size(); ++h) order[h] = static_cast<Index>(h);
-    std::stable_sort(order.begin(), order.end(), [&](Index a, Index b) {
-      return sums_[static_cast<std::size_t>(a)] < sums_[static_cast<std::size_t>(b)];
-    });
-    order.resize(static_cast<std::size_t>(count));
-    return order;
-  }
+  std::vector<Index> least_important(Index count) const;
 
  private:
   std::vector<double> sums_;
   Index batches_ = 0;
 };
+
+#if MHA_FUNCTION_DEFINITIONS
+MHA_FUNCTION HeadImportance::HeadImportance(Index num_heads)
+    : sums_(static_cast<std::size_t>(num_heads), 0.0) {
+  if (num_heads < 1) {
+    detail::throw_argument("num_heads", "expected at least 1, got " + std::to_string(num_heads));
+  }
+}
+
+MHA_FUNCTION std::vector<double> HeadImportance::scores(bool normalise) const {
+  std::vector<double> result = sums_;
+  double norm = 0;
+  for (const double s : result) norm += s * s;
+  norm = std::sqrt(norm);
+  if (normalise && norm > 0) {
+    for (double& s : result) s /= norm;
+  }
+  return result;
+}
+
+MHA_FUNCTION std::vector<Index> HeadImportance::least_important(Index count) const {
+  if (count < 0 || count > num_heads()) {
+    detail::throw_argument(
+        "count", "expected 0 .. " + std::to_string(num_heads()) + ", got " + std::to_string(count));
+  }
+  std::vector<Index> order(sums_.size());
+  for (std::size_t h = 0; h < order.size(); ++h) order[h] = static_cast<Index>(h);
+  std::stable_sort(order.begin(), order.end(), [&](Index a, Index b) {
+    return sums_[static_cast<std::size_t>(a)] < sums_[static_cast<std::size_t>(b)];
+  });
+  order.resize(static_cast<std::size_t>(count));
+  return order;
+}
+#endif
 
 // parameters: one MultiHeadAttention layer's parameters (MultiHeadAttention::parameters(), or a
 // model's list that contains them) -> [H]: the L2 norm of each head's share of the gradients.

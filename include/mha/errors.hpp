@@ -9,10 +9,15 @@
 
 #include <cassert>
 #include <cstdint>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "mha/compiled.hpp"
+
+#if MHA_FUNCTION_DEFINITIONS
+#include <sstream>
+#endif
 
 #ifndef MHA_ASSERT
 #define MHA_ASSERT(condition) assert(condition)
@@ -34,7 +39,31 @@ namespace detail {
 // A dimension the caller may leave open in an expected shape, e.g. {B, kAnyDim, E}; printed "*".
 constexpr Index kAnyDim = -1;
 
-inline std::string format_shape(const Shape& shape) {
+// "[2, 5, 16]", with "*" for kAnyDim.
+MHA_FUNCTION std::string format_shape(const Shape& shape);
+
+inline bool shape_matches(const Shape& expected, const Shape& actual) {
+  if (expected.size() != actual.size()) return false;
+  for (std::size_t i = 0; i < expected.size(); ++i) {
+    if (expected[i] != kAnyDim && expected[i] != actual[i]) return false;
+  }
+  return true;
+}
+
+// Throws ShapeError "argument: expected <expected>, got <actual>".
+[[noreturn]] MHA_FUNCTION void throw_shape(const std::string& argument, const std::string& expected,
+                                           const Shape& actual);
+
+inline void check_shape(const std::string& argument, const Shape& expected, const Shape& actual) {
+  if (!shape_matches(expected, actual)) throw_shape(argument, format_shape(expected), actual);
+}
+
+// Throws ShapeError "argument: message".
+[[noreturn]] MHA_FUNCTION void throw_argument(const std::string& argument,
+                                              const std::string& message);
+
+#if MHA_FUNCTION_DEFINITIONS
+MHA_FUNCTION std::string format_shape(const Shape& shape) {
   std::ostringstream out;
   out << '[';
   for (std::size_t i = 0; i < shape.size(); ++i) {
@@ -49,26 +78,15 @@ inline std::string format_shape(const Shape& shape) {
   return out.str();
 }
 
-inline bool shape_matches(const Shape& expected, const Shape& actual) {
-  if (expected.size() != actual.size()) return false;
-  for (std::size_t i = 0; i < expected.size(); ++i) {
-    if (expected[i] != kAnyDim && expected[i] != actual[i]) return false;
-  }
-  return true;
-}
-
-[[noreturn]] inline void throw_shape(const std::string& argument, const std::string& expected,
-                                     const Shape& actual) {
+MHA_FUNCTION void throw_shape(const std::string& argument, const std::string& expected,
+                              const Shape& actual) {
   throw ShapeError(argument + ": expected " + expected + ", got " + format_shape(actual));
 }
 
-inline void check_shape(const std::string& argument, const Shape& expected, const Shape& actual) {
-  if (!shape_matches(expected, actual)) throw_shape(argument, format_shape(expected), actual);
-}
-
-[[noreturn]] inline void throw_argument(const std::string& argument, const std::string& message) {
+MHA_FUNCTION void throw_argument(const std::string& argument, const std::string& message) {
   throw ShapeError(argument + ": " + message);
 }
+#endif
 
 }  // namespace detail
 }  // namespace mha

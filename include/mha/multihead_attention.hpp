@@ -67,6 +67,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "mha/compiled.hpp"
 #include "mha/init.hpp"
 #include "mha/kv_cache.hpp"
 #include "mha/layer/config.hpp"
@@ -159,23 +160,13 @@ class MultiHeadAttention {
   // query [B, L, E], key [B, S, kdim], value [B, S, vdim]; or unbatched [L, E], [S, kdim],
   // [S, vdim]. See ForwardOptions for the masks and what is returned. Evaluation mode: no dropout.
   ForwardResult<T> forward(TensorView<const T> query, TensorView<const T> key,
-                           TensorView<const T> value, const ForwardOptions<T>& options = {}) const {
-    Workspace<T> workspace;
-    ForwardResult<T> result;
-    forward(query, key, value, options, workspace, result);
-    return result;
-  }
+                           TensorView<const T> value, const ForwardOptions<T>& options = {}) const;
 
   // The same, writing into `result` and using `workspace` for its buffers: with the same shapes
   // as the previous call, neither allocates.
   void forward(TensorView<const T> query, TensorView<const T> key, TensorView<const T> value,
                const ForwardOptions<T>& options, Workspace<T>& workspace,
-               ForwardResult<T>& result) const {
-    const detail::ForwardPlan plan = detail::plan_forward(parameters_, query, key, value, options);
-    const auto core = detail::core_options(parameters_, plan, options);
-    detail::run_forward(parameters_, plan, core, query, key, value, options, workspace, result,
-                        nullptr);
-  }
+               ForwardResult<T>& result) const;
 
   // Self-attention: query, key and value are all x.
   ForwardResult<T> forward(TensorView<const T> x, const ForwardOptions<T>& options = {}) const {
@@ -286,9 +277,7 @@ class MultiHeadAttention {
   // the cache's capacity. Const: a layer serves any number of caches, one thread each.
   ForwardResult<T> decode(TensorView<const T> x, KVCache<T>& cache,
                           const ForwardOptions<T>& options = decode_options(),
-                          const std::vector<Index>& new_tokens = {}) const {
-    return detail::Decoding<T>::step(parameters_, x, cache, options, new_tokens);
-  }
+                          const std::vector<Index>& new_tokens = {}) const;
 
  private:
   static constexpr std::uint64_t kDropoutSeedSalt = 0xD409A7E5EEDull;
@@ -296,5 +285,48 @@ class MultiHeadAttention {
   detail::LayerParameters<T> parameters_;
   Random dropout_random_{0};
 };
+
+// Out of the class, so that they are not inline: with mha::compiled a caller's file then compiles
+// only the call, not the Workspace and the result they build (see MHA_LAYER_TEMPLATES below).
+template <class T>
+ForwardResult<T> MultiHeadAttention<T>::forward(TensorView<const T> query, TensorView<const T> key,
+                                                TensorView<const T> value,
+                                                const ForwardOptions<T>& options) const {
+  Workspace<T> workspace;
+  ForwardResult<T> result;
+  forward(query, key, value, options, workspace, result);
+  return result;
+}
+
+template <class T>
+void MultiHeadAttention<T>::forward(TensorView<const T> query, TensorView<const T> key,
+                                    TensorView<const T> value, const ForwardOptions<T>& options,
+                                    Workspace<T>& workspace, ForwardResult<T>& result) const {
+  const detail::ForwardPlan plan = detail::plan_forward(parameters_, query, key, value, options);
+  const auto core = detail::core_options(parameters_, plan, options);
+  detail::run_forward(parameters_, plan, core, query, key, value, options, workspace, result,
+                      nullptr);
+}
+
+template <class T>
+ForwardResult<T> MultiHeadAttention<T>::decode(TensorView<const T> x, KVCache<T>& cache,
+                                               const ForwardOptions<T>& options,
+                                               const std::vector<Index>& new_tokens) const {
+  return detail::Decoding<T>::step(parameters_, x, cache, options, new_tokens);
+}
+
+// The instantiations mha::compiled holds (src/layer_forward.cpp; see mha/compiled.hpp).
+#define MHA_LAYER_TEMPLATES(PREFIX, T)                                                         \
+  PREFIX template ForwardResult<T> MultiHeadAttention<T>::forward(                             \
+      TensorView<const T>, TensorView<const T>, TensorView<const T>, const ForwardOptions<T>&) \
+      const;                                                                                   \
+  PREFIX template void MultiHeadAttention<T>::forward(                                         \
+      TensorView<const T>, TensorView<const T>, TensorView<const T>, const ForwardOptions<T>&, \
+      Workspace<T>&, ForwardResult<T>&) const;                                                 \
+  PREFIX template ForwardResult<T> MultiHeadAttention<T>::decode(                              \
+      TensorView<const T>, KVCache<T>&, const ForwardOptions<T>&, const std::vector<Index>&)   \
+      const;
+
+MHA_EXTERN_TEMPLATES(MHA_LAYER_TYPES, MHA_LAYER_TEMPLATES)
 
 }  // namespace mha

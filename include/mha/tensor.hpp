@@ -15,9 +15,12 @@
 #pragma once
 
 #include <Eigen/Core>
+#include <algorithm>
 #include <cstring>
 #include <initializer_list>
 #include <limits>
+#include <memory>
+#include <new>
 #include <numeric>
 #include <string>
 #include <type_traits>
@@ -68,18 +71,44 @@ using ConstStridedMap = Eigen::Map<const Matrix<std::remove_const_t<T>>, 0, Eige
 
 namespace detail {
 
+// Throws ShapeError for a shape with a negative size or more elements than Index holds.
+[[noreturn]] MHA_FUNCTION void throw_bad_shape(const Shape& shape);
+
 inline Index shape_size(const Shape& shape) {
   Index n = 1;
   for (Index d : shape) {
-    if (d < 0) throw ShapeError("tensor shape " + format_shape(shape) + " has a negative size");
-    if (d > 0 && n > std::numeric_limits<Index>::max() / d) {
-      throw ShapeError("tensor shape " + format_shape(shape) + " has more elements than " +
-                       std::to_string(std::numeric_limits<Index>::max()));
-    }
+    if (d < 0 || (d > 0 && n > std::numeric_limits<Index>::max() / d)) throw_bad_shape(shape);
     n *= d;
   }
   return n;
 }
+
+// Throws ShapeError for `indices` outside `shape`; first_axis: one index into its first axis.
+[[noreturn]] MHA_FUNCTION void throw_bad_index(const Shape& shape, const Shape& indices,
+                                               bool first_axis);
+// Throws ShapeError for a reshape of `size` elements to a shape of another size.
+[[noreturn]] MHA_FUNCTION void throw_bad_reshape(Index size, const Shape& shape);
+
+#if MHA_FUNCTION_DEFINITIONS
+MHA_FUNCTION void throw_bad_index(const Shape& shape, const Shape& indices, bool first_axis) {
+  throw_shape("tensor index",
+              (first_axis ? "an index within the first axis of " : "an index within ") +
+                  format_shape(shape),
+              indices);
+}
+
+MHA_FUNCTION void throw_bad_reshape(Index size, const Shape& shape) {
+  throw_shape("reshape", std::to_string(size) + " elements", shape);
+}
+
+MHA_FUNCTION void throw_bad_shape(const Shape& shape) {
+  for (Index d : shape) {
+    if (d < 0) throw ShapeError("tensor shape " + format_shape(shape) + " has a negative size");
+  }
+  throw ShapeError("tensor shape " + format_shape(shape) + " has more elements than " +
+                   std::to_string(std::numeric_limits<Index>::max()));
+}
+#endif
 
 // p + offset, except that an empty tensor's null data stays null: a view into an empty tensor
 // (L = 0, say) has rows = 0 and is never read, but arithmetic on a null pointer is undefined.
@@ -87,6 +116,78 @@ template <class T>
 T* offset_pointer(T* p, Index offset) {
   return p == nullptr ? p : p + offset;
 }
+
+}  // namespace detail
+
+namespace detail {
+
+// A tensor's elements: an aligned array for vectorised kernels (Eigen's alignment, 64 bytes with
+// AVX-512), deep-copied like an Eigen vector. Not an Eigen vector itself, so that a Tensor of a
+// new element type does not instantiate Eigen's matrix classes in every file that names it.
+template <class T>
+class AlignedBuffer {
+  static_assert(std::is_trivially_destructible_v<T> && std::is_trivially_copyable_v<T>,
+                "tensor elements are plain numbers");
+
+ public:
+  static constexpr std::size_t kAlignment = EIGEN_MAX_ALIGN_BYTES > alignof(T)
+                                                ? EIGEN_MAX_ALIGN_BYTES
+                                                : alignof(T);
+
+  AlignedBuffer() = default;
+  AlignedBuffer(const AlignedBuffer& other) {
+    resize(other.size_);
+    if (size_ > 0) std::memcpy(data_, other.data_, bytes(size_));
+  }
+  AlignedBuffer(AlignedBuffer&& other) noexcept
+      : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+  AlignedBuffer& operator=(const AlignedBuffer& other) {
+    if (this != &other) {
+      resize(other.size_);
+      if (size_ > 0) std::memcpy(data_, other.data_, bytes(size_));
+    }
+    return *this;
+  }
+  AlignedBuffer& operator=(AlignedBuffer&& other) noexcept {
+    if (this != &other) {
+      release();
+      data_ = std::exchange(other.data_, nullptr);
+      size_ = std::exchange(other.size_, 0);
+    }
+    return *this;
+  }
+  ~AlignedBuffer() { release(); }
+
+  T* data() { return data_; }
+  const T* data() const { return data_; }
+  Index size() const { return size_; }
+
+  // n elements, unspecified (keeps the storage when n does not change).
+  void resize(Index n) {
+    if (n == size_) return;
+    release();
+    if (n > 0) {
+      if (static_cast<std::size_t>(n) > std::numeric_limits<std::size_t>::max() / sizeof(T)) {
+        throw std::bad_alloc();
+      }
+      void* memory = ::operator new (bytes(n), std::align_val_t{kAlignment});
+      data_ = static_cast<T*>(memory);
+      std::uninitialized_default_construct_n(data_, n);
+    }
+    size_ = n;
+  }
+
+ private:
+  static std::size_t bytes(Index n) { return static_cast<std::size_t>(n) * sizeof(T); }
+  void release() {
+    if (data_ != nullptr) ::operator delete (data_, std::align_val_t{kAlignment});
+    data_ = nullptr;
+    size_ = 0;
+  }
+
+  T* data_ = nullptr;
+  Index size_ = 0;
+};
 
 }  // namespace detail
 
@@ -124,10 +225,7 @@ class TensorView {
   }
   // The sub-tensor at index i of the first axis; checked in every build, like operator().
   TensorView<T> operator[](Index i) const {
-    if (rank() < 1 || i < 0 || i >= shape_[0]) {
-      detail::throw_shape("tensor index",
-                          "an index within the first axis of " + detail::format_shape(shape_), {i});
-    }
+    if (rank() < 1 || i < 0 || i >= shape_[0]) detail::throw_bad_index(shape_, {i}, true);
     Shape inner(shape_.begin() + 1, shape_.end());
     const Index stride = detail::shape_size(inner);
     return TensorView<T>(data_ + i * stride, std::move(inner));
@@ -145,17 +243,12 @@ class TensorView {
       valid = idx[a] >= 0 && idx[a] < shape_[a];
       offset = offset * shape_[a] + idx[a];
     }
-    if (!valid) {
-      detail::throw_shape("tensor index", "an index within " + detail::format_shape(shape_),
-                          Shape(idx, idx + count));
-    }
+    if (!valid) detail::throw_bad_index(shape_, Shape(idx, idx + count), false);
     return data_[offset];
   }
   // The same elements under another shape with the same number of elements.
   TensorView<T> reshaped(Shape shape) const {
-    if (detail::shape_size(shape) != size_) {
-      detail::throw_shape("reshape", std::to_string(size_) + " elements", shape);
-    }
+    if (detail::shape_size(shape) != size_) detail::throw_bad_reshape(size_, shape);
     return TensorView<T>(data_, std::move(shape));
   }
 
@@ -165,17 +258,19 @@ class TensorView {
   Index size_ = 0;
 };
 
-// An owning dense row-major tensor. Storage is an Eigen vector, so it is aligned for
-// vectorised kernels; T = bool is allowed (for masks).
+// An owning dense row-major tensor. Its storage is aligned as an Eigen vector's, for vectorised
+// kernels; T = bool is allowed (for masks).
 template <class T>
 class Tensor {
  public:
   Tensor() = default;
-  explicit Tensor(Shape shape) : shape_(std::move(shape)) {
-    data_.setZero(detail::shape_size(shape_));
-  }
+  // std::fill_n rather than Eigen's setZero and setConstant: the same memset-like loop, without
+  // instantiating Eigen's assignment machinery in every file that makes a tensor.
+  explicit Tensor(Shape shape) : Tensor(std::move(shape), T(0)) {}
   Tensor(Shape shape, T fill) : shape_(std::move(shape)) {
-    data_.setConstant(detail::shape_size(shape_), fill);
+    const Index n = detail::shape_size(shape_);
+    data_.resize(n);
+    std::fill_n(data_.data(), n, fill);
   }
   // Copies the elements of a view (of the same scalar type).
   explicit Tensor(TensorView<const T> view) : shape_(view.shape()) {
@@ -222,9 +317,7 @@ class Tensor {
 
   // Changes the shape, keeping the elements (their number must not change).
   void reshape(Shape shape) {
-    if (detail::shape_size(shape) != size()) {
-      detail::throw_shape("reshape", std::to_string(size()) + " elements", shape);
-    }
+    if (detail::shape_size(shape) != size()) detail::throw_bad_reshape(size(), shape);
     shape_ = std::move(shape);
   }
   // Gives the tensor a new shape; the elements are unspecified afterwards. Keeps the storage
@@ -238,13 +331,16 @@ class Tensor {
 
  private:
   Shape shape_;
-  Vector<T> data_;
+  detail::AlignedBuffer<T> data_;
 };
 
 // "[2, 5, 16]": how shapes are written in messages and examples.
-inline std::string to_string(const Shape& shape) {
+MHA_FUNCTION std::string to_string(const Shape& shape);
+#if MHA_FUNCTION_DEFINITIONS
+MHA_FUNCTION std::string to_string(const Shape& shape) {
   return detail::format_shape(shape);
 }
+#endif
 
 template <class T>
 TensorView<T> make_view(T* data, Shape shape) {

@@ -46,6 +46,13 @@ class LayerParameters {
 
   // The tensors of `config` (completed and checked first), zero until reset.
   explicit LayerParameters(const MultiHeadAttentionConfig& config);
+  // Declared so that it is defined out of the class, compiled once with mha::compiled rather
+  // than in every file that destroys a layer; copies and moves stay as the compiler makes them.
+  ~LayerParameters();
+  LayerParameters(const LayerParameters&) = default;
+  LayerParameters(LayerParameters&&) = default;
+  LayerParameters& operator=(const LayerParameters&) = default;
+  LayerParameters& operator=(LayerParameters&&) = default;
 
   // The config a state_dict implies: which tensors are present decides bias, add_bias_kv,
   // talking heads and kdim/vdim, out_proj.weight's columns D, and k_proj_weight's rows
@@ -397,6 +404,9 @@ std::string LayerParameters<T>::joined_names() const {
   for (const auto& name : names()) joined += (joined.empty() ? "" : ", ") + name;
   return joined;
 }
+
+template <class T>
+LayerParameters<T>::~LayerParameters() = default;
 
 // The instantiations mha::compiled holds (src/layer_parameters.cpp; see mha/compiled.hpp).
 // NOLINTBEGIN(bugprone-macro-parentheses): the arguments are a type and a keyword
