@@ -24,6 +24,5 @@ int main() {
   const auto result = attention.forward(x, x, x, options);
   std::cout << "output " << mha::to_string(result.output.shape()) << ", weights "
             << mha::to_string(result.attn_weights.shape()) << "\n";
-  std::cout << "weights of sequence 1, averaged over heads:\n"
-            << result.attn_weights[1].matrix() << "\n";
+  std::cout << "weights of sequence 1, averaged over heads:\n" << result.attn_weights[1] << "\n";
 }

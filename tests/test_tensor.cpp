@@ -1,4 +1,7 @@
 // Tensor, views, and splitting/merging heads.
+#include <limits>
+#include <vector>
+
 #include "helpers.hpp"
 
 using mha::Index;
@@ -90,4 +93,74 @@ TEST_CASE("element access checks the index count and range in every build", "[te
   CHECK_THROWS_AS(t(0, -1, 0), mha::ShapeError);
   CHECK_THROWS_AS(t[2], mha::ShapeError);
   CHECK_THROWS_AS(t[1][1][4], mha::ShapeError);
+}
+
+// ---- Printing (mha/print.hpp): PyTorch's own str(tensor), from generate_print.py ----
+
+namespace {
+
+struct PrintCase {
+  const char* name;
+  const char* dtype;
+  mha::Shape shape;
+  std::vector<double> values;
+  const char* expected;
+};
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+const std::vector<PrintCase>& print_cases() {
+  static const std::vector<PrintCase> cases = {
+#include "reference/data/print_cases.inc"
+  };
+  return cases;
+}
+
+template <class T>
+std::string printed(const PrintCase& c) {
+  Tensor<T> tensor(c.shape);
+  REQUIRE(static_cast<std::size_t>(tensor.size()) == c.values.size());
+  for (std::size_t i = 0; i < c.values.size(); ++i) {
+    tensor.data()[i] = static_cast<T>(c.values[i]);
+  }
+  std::ostringstream out;
+  out << tensor;
+  // A view prints the same as its tensor.
+  std::ostringstream through_view;
+  through_view << tensor.view();
+  CHECK(through_view.str() == out.str());
+  return out.str();
+}
+
+}  // namespace
+
+TEST_CASE("std::cout << tensor prints what PyTorch's print(tensor) prints", "[print]") {
+  REQUIRE(print_cases().size() >= 20);
+  for (const PrintCase& c : print_cases()) {
+    INFO("case " << c.name);
+    const std::string dtype = c.dtype;
+    std::string text;
+    if (dtype == "float32") {
+      text = printed<float>(c);
+    } else if (dtype == "float64") {
+      text = printed<double>(c);
+    } else if (dtype == "float16") {
+      text = printed<Eigen::half>(c);
+    } else if (dtype == "bfloat16") {
+      text = printed<Eigen::bfloat16>(c);
+    } else {
+      REQUIRE(dtype == "bool");
+      text = printed<bool>(c);
+    }
+    CHECK(text == c.expected);
+  }
+}
+
+// The expected string is torch.tensor([[0.5, 0.25], [0.125, 1.0]])[1] printed by torch 1.13.
+TEST_CASE("printing a tensor sub-view prints its own elements", "[print]") {
+  Tensor<float> x({2, 2}, {0.5f, 0.25f, 0.125f, 1.0f});
+  std::ostringstream out;
+  out << x[1];
+  CHECK(out.str() == "tensor([0.1250, 1.0000])");
 }

@@ -18,6 +18,7 @@
 #include "mha/multihead_attention.hpp"
 #include "mha/optim.hpp"
 #include "mha/parameters.hpp"
+#include "mha/print.hpp"
 #include "mha/rotary.hpp"
 #include "mha/softmax.hpp"
 #include "mha/tensor.hpp"
