@@ -316,6 +316,7 @@ ForwardResult<T> MultiHeadAttention<T>::decode(TensorView<const T> x, KVCache<T>
 }
 
 // The instantiations mha::compiled holds (src/layer_forward.cpp; see mha/compiled.hpp).
+// NOLINTBEGIN(bugprone-macro-parentheses): the arguments are a type and a keyword
 #define MHA_LAYER_TEMPLATES(PREFIX, T)                                                         \
   PREFIX template ForwardResult<T> MultiHeadAttention<T>::forward(                             \
       TensorView<const T>, TensorView<const T>, TensorView<const T>, const ForwardOptions<T>&) \
@@ -326,6 +327,7 @@ ForwardResult<T> MultiHeadAttention<T>::decode(TensorView<const T> x, KVCache<T>
   PREFIX template ForwardResult<T> MultiHeadAttention<T>::decode(                              \
       TensorView<const T>, KVCache<T>&, const ForwardOptions<T>&, const std::vector<Index>&)   \
       const;
+// NOLINTEND(bugprone-macro-parentheses)
 
 MHA_EXTERN_TEMPLATES(MHA_LAYER_TYPES, MHA_LAYER_TEMPLATES)
 

@@ -44,11 +44,19 @@ struct TensorPrinter {
   static constexpr Index kEdgeItems = 3;
   static constexpr std::size_t kLineWidth = 80;
 
+  TensorPrinter(std::ostream& out_, const Shape& shape_, const std::vector<double>& values_,
+                bool booleans_)
+      : out(out_),
+        shape(shape_),
+        values(values_),
+        booleans(booleans_),
+        summarise(shape_size(shape_) > kSummaryThreshold) {}
+
   std::ostream& out;
   const Shape& shape;
   const std::vector<double>& values;
-  bool booleans;
-  bool summarise;
+  bool booleans = false;
+  bool summarise = false;
   bool integers = true;  // every nonzero finite value is a whole number: "1." rather than "1.0000"
   bool scientific = false;
   std::size_t width = 1;
@@ -78,18 +86,20 @@ struct TensorPrinter {
     if (booleans) return value != 0 ? "True" : "False";
     if (std::isnan(value)) return "nan";
     if (std::isinf(value)) return value > 0 ? "inf" : "-inf";
+    // At most 16 characters: fixed and whole-number formats only serve values below 1e8.
     char text[64];
     if (scientific) {
-      std::snprintf(text, sizeof text, "%.4e", value);
+      (void)std::snprintf(text, sizeof text, "%.4e", value);
     } else if (integers) {
-      std::snprintf(text, sizeof text, "%.0f.", value);
+      (void)std::snprintf(text, sizeof text, "%.0f.", value);
     } else {
-      std::snprintf(text, sizeof text, "%.4f", value);
+      (void)std::snprintf(text, sizeof text, "%.4f", value);
     }
     return text;
   }
 
   // Every element that will be printed, flat offsets in row-major order.
+  // NOLINTNEXTLINE(misc-no-recursion): one level per axis, so as deep as the tensor's rank
   void collect(std::size_t axis, Index offset, std::vector<Index>& offsets) const {
     if (axis == shape.size()) {
       offsets.push_back(offset);
@@ -131,6 +141,7 @@ struct TensorPrinter {
   }
 
   // The sub-tensor at `axis`, whose "[" is at column `indent`.
+  // NOLINTNEXTLINE(misc-no-recursion): one level per axis, so as deep as the tensor's rank
   void write(std::size_t axis, Index offset, std::size_t indent) const {
     if (axis == shape.size()) {
       out << padded(values[static_cast<std::size_t>(offset)]);
@@ -170,8 +181,7 @@ struct TensorPrinter {
 MHA_FUNCTION void write_tensor(std::ostream& out, const Shape& shape,
                                const std::vector<double>& values, bool booleans,
                                const char* dtype) {
-  TensorPrinter printer{out, shape, values, booleans,
-                        shape_size(shape) > TensorPrinter::kSummaryThreshold};
+  TensorPrinter printer(out, shape, values, booleans);
   const std::size_t indent = 7;  // "tensor("
   out << "tensor(";
   if (values.empty()) {
@@ -190,6 +200,20 @@ MHA_FUNCTION void write_tensor(std::ostream& out, const Shape& shape,
 }
 #endif
 
+// PyTorch's name of a type that print(tensor) names: null for float32 and bool, which it does not.
+template <class T>
+const char* torch_dtype_name() {
+  if constexpr (std::is_same_v<T, double>) {
+    return "torch.float64";
+  } else if constexpr (std::is_same_v<T, Eigen::half>) {
+    return "torch.float16";
+  } else if constexpr (std::is_same_v<T, Eigen::bfloat16>) {
+    return "torch.bfloat16";
+  } else {
+    return nullptr;
+  }
+}
+
 }  // namespace detail
 
 template <class T>
@@ -199,10 +223,7 @@ std::ostream& operator<<(std::ostream& out, const TensorView<T>& tensor) {
   for (std::size_t i = 0; i < values.size(); ++i) {
     values[i] = static_cast<double>(tensor.data()[i]);
   }
-  const char* dtype = std::is_same_v<Scalar, double>            ? "torch.float64"
-                      : std::is_same_v<Scalar, Eigen::half>     ? "torch.float16"
-                      : std::is_same_v<Scalar, Eigen::bfloat16> ? "torch.bfloat16"
-                                                                : nullptr;
+  const char* dtype = detail::torch_dtype_name<Scalar>();
   detail::write_tensor(out, tensor.shape(), values, std::is_same_v<Scalar, bool>, dtype);
   return out;
 }

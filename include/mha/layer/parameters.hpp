@@ -50,9 +50,9 @@ class LayerParameters {
   // than in every file that destroys a layer; copies and moves stay as the compiler makes them.
   ~LayerParameters();
   LayerParameters(const LayerParameters&) = default;
-  LayerParameters(LayerParameters&&) = default;
+  LayerParameters(LayerParameters&&) noexcept = default;
   LayerParameters& operator=(const LayerParameters&) = default;
-  LayerParameters& operator=(LayerParameters&&) = default;
+  LayerParameters& operator=(LayerParameters&&) noexcept = default;
 
   // The config a state_dict implies: which tensors are present decides bias, add_bias_kv,
   // talking heads and kdim/vdim, out_proj.weight's columns D, and k_proj_weight's rows
