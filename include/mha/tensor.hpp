@@ -117,10 +117,6 @@ T* offset_pointer(T* p, Index offset) {
   return p == nullptr ? p : p + offset;
 }
 
-}  // namespace detail
-
-namespace detail {
-
 // A tensor's elements: an aligned array for vectorised kernels (Eigen's alignment, 64 bytes with
 // AVX-512), deep-copied like an Eigen vector. Not an Eigen vector itself, so that a Tensor of a
 // new element type does not instantiate Eigen's matrix classes in every file that names it.
@@ -164,6 +160,7 @@ class AlignedBuffer {
 
   // n elements, unspecified (keeps the storage when n does not change).
   void resize(Index n) {
+    MHA_ASSERT(n >= 0);  // callers pass shape_size's checked counts
     if (n == size_) return;
     release();
     if (n > 0) {
