@@ -7,9 +7,18 @@
 #include <cstddef>
 #include <sstream>
 #include <string>
+#include <type_traits>
+#include <vector>
 
 #include "catch.hpp"
 #include "mha/mha.hpp"
+
+// The tests of results across thread counts are compiled where the kernels run on OpenMP's
+// threads (#ifdef _OPENMP); a build whose library has OpenMP must compile them.
+#if defined(MHA_TEST_OPENMP) && MHA_TEST_OPENMP && !defined(_OPENMP)
+#error \
+    "mha was built with OpenMP but this test is compiled without it: its thread tests would vanish"
+#endif
 
 namespace mha_test {
 
@@ -69,9 +78,10 @@ struct Comparison {
   std::string message;
 };
 
-template <class T, class U>
-Comparison compare(mha::TensorView<const T> actual, mha::TensorView<const U> expected,
-                   double rtol = Tolerance<T>::rtol, double atol = Tolerance<T>::atol) {
+// |actual - expected| <= atol_at(i) + rtol * |expected| for every flat index i.
+template <class T, class U, class Atol>
+Comparison compare_elements(mha::TensorView<const T> actual, mha::TensorView<const U> expected,
+                            double rtol, Atol&& atol_at) {
   Comparison result;
   if (actual.shape() != expected.shape()) {
     result.ok = false;
@@ -86,7 +96,7 @@ Comparison compare(mha::TensorView<const T> actual, mha::TensorView<const U> exp
     const double a = static_cast<double>(actual.data()[i]);
     const double e = static_cast<double>(expected.data()[i]);
     const double diff = std::abs(a - e);
-    const double allowed = atol + rtol * std::abs(e);
+    const double allowed = atol_at(i) + rtol * std::abs(e);
     const bool bad = !(diff <= allowed) || std::isnan(a) != std::isnan(e);
     if (bad) ++failures;
     const double excess = std::isnan(diff) ? 1e300 : diff - allowed;
@@ -100,13 +110,19 @@ Comparison compare(mha::TensorView<const T> actual, mha::TensorView<const U> exp
   out.precision(10);
   if (worst >= 0) {
     out << failures << " of " << actual.size() << " elements out of tolerance (rtol " << rtol
-        << ", atol " << atol << "); worst at " << flat_index_to_string(worst, actual.shape())
-        << ": got " << actual.data()[worst] << ", expected " << expected.data()[worst]
-        << ", difference " << worst_diff;
+        << ", atol " << atol_at(worst) << " there); worst at "
+        << flat_index_to_string(worst, actual.shape()) << ": got " << actual.data()[worst]
+        << ", expected " << expected.data()[worst] << ", difference " << worst_diff;
   }
   result.ok = failures == 0;
   result.message = out.str();
   return result;
+}
+
+template <class T, class U>
+Comparison compare(mha::TensorView<const T> actual, mha::TensorView<const U> expected,
+                   double rtol = Tolerance<T>::rtol, double atol = Tolerance<T>::atol) {
+  return compare_elements(actual, expected, rtol, [atol](Index) { return atol; });
 }
 
 template <class T, class U>
@@ -119,6 +135,11 @@ Comparison compare(const mha::Tensor<T>& actual, const mha::Tensor<U>& expected,
 // 1e-5 in float and 1e-10 in double (the training issue's bounds). Measured against the tensor's
 // scale because a gradient element is a sum over batch, rows and keys whose terms often cancel:
 // its rounding is of the size of the terms, not of the (possibly tiny) element.
+// row_blocks, when given, splits the first dimension into consecutive blocks of those many rows,
+// each measured against its own largest element: a packed parameter (in_proj_weight's W_q, W_k
+// and W_v, see gradient_row_blocks) holds gradients of different scales (up to 10 times apart
+// in the reference fixtures, W_v's the largest), and the largest one's would let the others be
+// that much more wrong.
 template <class T>
 struct GradientTolerance;
 template <>
@@ -132,18 +153,121 @@ struct GradientTolerance<double> {
 
 template <class T, class U>
 Comparison compare_gradients(mha::TensorView<const T> actual, mha::TensorView<const U> expected,
-                             double rtol = GradientTolerance<T>::rtol) {
-  double scale = 0.0;
-  for (Index i = 0; i < expected.size(); ++i) {
-    scale = std::max(scale, std::abs(static_cast<double>(expected.data()[i])));
+                             double rtol = GradientTolerance<T>::rtol,
+                             const std::vector<Index>& row_blocks = {}) {
+  const Index rows = expected.shape().empty() ? 1 : expected.shape()[0];
+  const Index per_row = rows > 0 ? expected.size() / rows : 0;
+  std::vector<Index> blocks = row_blocks.empty() ? std::vector<Index>{rows} : row_blocks;
+  Index covered = 0;
+  for (const Index block : blocks) covered += block;
+  if (covered != rows) {
+    return {false,
+            "row blocks cover " + std::to_string(covered) + " rows of " + std::to_string(rows)};
   }
-  return compare<T, U>(actual, expected, rtol, rtol * scale);
+  // The first flat index past each block, and each block's absolute tolerance.
+  std::vector<Index> ends;
+  std::vector<double> atols;
+  Index begin = 0;
+  for (const Index block : blocks) {
+    const Index end = begin + block * per_row;
+    double scale = 0.0;
+    for (Index i = begin; i < end; ++i) {
+      scale = std::max(scale, std::abs(static_cast<double>(expected.data()[i])));
+    }
+    ends.push_back(end);
+    atols.push_back(rtol * scale);
+    begin = end;
+  }
+  return compare_elements(actual, expected, rtol, [&](Index i) {
+    return atols[static_cast<std::size_t>(std::upper_bound(ends.begin(), ends.end(), i) -
+                                          ends.begin())];
+  });
 }
 
 template <class T, class U>
 Comparison compare_gradients(const mha::Tensor<T>& actual, const mha::Tensor<U>& expected,
-                             double rtol = GradientTolerance<T>::rtol) {
-  return compare_gradients<T, U>(actual.view(), expected.view(), rtol);
+                             double rtol = GradientTolerance<T>::rtol,
+                             const std::vector<Index>& row_blocks = {}) {
+  return compare_gradients<T, U>(actual.view(), expected.view(), rtol, row_blocks);
+}
+
+// The blocks of rows to compare a parameter's gradient in (compare_gradients): in_proj_weight
+// [E + 2·kv_dim, E] packs W_q, W_k and W_v; other parameters are one block. (Not in_proj_bias:
+// its b_k part is zero in exact arithmetic unless bias_k or zero attention adds keys without
+// b_k, since adding q·b_k to every score of a row leaves the softmax unchanged; what torch and
+// the library give there is the rounding of a cancelling sum whose terms are of the size of the
+// other parts.) rows is the parameter's first dimension, embed_dim E.
+inline std::vector<Index> gradient_row_blocks(const std::string& name, Index rows,
+                                              Index embed_dim) {
+  if (name != "in_proj_weight" || rows <= embed_dim || (rows - embed_dim) % 2 != 0) return {};
+  const Index kv_dim = (rows - embed_dim) / 2;
+  return {embed_dim, kv_dim, kv_dim};
+}
+
+// A float result of the library against the same inputs computed in double, the truth for the
+// library's own rounding (library against library: both sides are ours, so torch's rounding,
+// which Tolerance<float> absorbs, is not in it). Two bounds relative to a scale, by default the
+// exact tensor's: each element within max_of_scale of its largest magnitude, and the
+// root-mean-square error within rms_of_scale of its root mean square. The RMS bound is the sharp
+// one: a kernel that rounds a little worse everywhere (an exp with a term dropped) multiplies it,
+// where the largest element's error is set by a few long sums whatever the kernel. The bounds
+// come from measurement where they are used (tests/test_flash.cpp).
+struct RoundingTolerance {
+  double max_of_scale;
+  double rms_of_scale;
+};
+
+// A tensor's largest magnitude and root mean square.
+struct RoundingScale {
+  double largest = 0.0;
+  double rms = 0.0;
+};
+
+inline RoundingScale rounding_scale(mha::TensorView<const double> exact) {
+  RoundingScale scale;
+  double squares = 0.0;
+  for (Index i = 0; i < exact.size(); ++i) {
+    scale.largest = std::max(scale.largest, std::abs(exact.data()[i]));
+    squares += exact.data()[i] * exact.data()[i];
+  }
+  scale.rms = exact.size() > 0 ? std::sqrt(squares / static_cast<double>(exact.size())) : 0.0;
+  return scale;
+}
+
+template <class T>
+Comparison compare_rounding(mha::TensorView<const T> actual, mha::TensorView<const double> exact,
+                            RoundingTolerance tolerance, RoundingScale scale) {
+  static_assert(std::is_same_v<T, float>, "the rounding of float results, against double");
+  Comparison result =
+      compare<T, double>(actual, exact, 0.0, tolerance.max_of_scale * scale.largest);
+  if (!result.ok) return result;
+  double squares = 0.0;
+  for (Index i = 0; i < exact.size(); ++i) {
+    const double error = static_cast<double>(actual.data()[i]) - exact.data()[i];
+    squares += error * error;
+  }
+  const double rms = exact.size() > 0 ? std::sqrt(squares / static_cast<double>(exact.size())) : 0;
+  if (!(rms <= tolerance.rms_of_scale * scale.rms)) {
+    std::ostringstream out;
+    out.precision(4);
+    out << "root-mean-square error " << rms << " is " << rms / scale.rms
+        << " of the scale's root mean square " << scale.rms << ", allowed "
+        << tolerance.rms_of_scale;
+    result = {false, out.str()};
+  }
+  return result;
+}
+
+template <class T>
+Comparison compare_rounding(const mha::Tensor<T>& actual, const mha::Tensor<double>& exact,
+                            RoundingTolerance tolerance) {
+  return compare_rounding<T>(actual.view(), exact.view(), tolerance, rounding_scale(exact.view()));
+}
+
+template <class T>
+Comparison compare_rounding(const mha::Tensor<T>& actual, const mha::Tensor<double>& exact,
+                            RoundingTolerance tolerance, RoundingScale scale) {
+  return compare_rounding<T>(actual.view(), exact.view(), tolerance, scale);
 }
 
 // The message of the Exception that f throws, or "(nothing thrown)": for checks on a part of a
@@ -179,11 +303,32 @@ inline bool contains(const std::string& text, const std::string& part) {
     CHECK(mha_comparison.ok);                                                            \
   } while (false)
 
+// CHECK a float tensor's rounding against the same computation in double (compare_rounding;
+// the scale, when given, is a RoundingScale).
+#define CHECK_ROUNDING(actual, exact, ...)                                                  \
+  do {                                                                                      \
+    const auto mha_comparison = mha_test::compare_rounding((actual), (exact), __VA_ARGS__); \
+    INFO(mha_comparison.message);                                                           \
+    CHECK(mha_comparison.ok);                                                               \
+  } while (false)
+
 #define CHECK_GRADIENTS_CLOSE(actual, expected)                                    \
   do {                                                                             \
     const auto mha_comparison = mha_test::compare_gradients((actual), (expected)); \
     INFO(mha_comparison.message);                                                  \
     CHECK(mha_comparison.ok);                                                      \
+  } while (false)
+
+// A parameter's gradient, in_proj_weight's packed blocks apart (gradient_row_blocks).
+#define CHECK_PARAMETER_GRADIENTS_CLOSE(name, actual, expected, embed_dim, rtol)               \
+  do {                                                                                         \
+    const auto& mha_expected = (expected);                                                     \
+    const auto mha_comparison = mha_test::compare_gradients(                                   \
+        (actual), mha_expected, (rtol),                                                        \
+        mha_test::gradient_row_blocks(                                                         \
+            (name), mha_expected.shape().empty() ? 1 : mha_expected.shape()[0], (embed_dim))); \
+    INFO(mha_comparison.message);                                                              \
+    CHECK(mha_comparison.ok);                                                                  \
   } while (false)
 
 #define CHECK_GRADIENTS_CLOSE_TOL(actual, expected, rtol)                                  \

@@ -412,7 +412,8 @@ TEMPLATE_TEST_CASE("flash and reference backward agree in the layer, across bloc
     CHECK_GRADIENTS_CLOSE(inputs[1].value, inputs[0].value);
     for (const auto& name : layer.parameter_names()) {
       INFO(name);
-      CHECK_GRADIENTS_CLOSE(parameters[1].at(name), parameters[0].at(name));
+      CHECK_PARAMETER_GRADIENTS_CLOSE(name, parameters[1].at(name), parameters[0].at(name),
+                                      layer.embed_dim(), mha_test::GradientTolerance<T>::rtol);
     }
   }
 }

@@ -203,6 +203,12 @@ bool same_values(const mha::io::StoredTensor& a, const mha::io::StoredTensor& b)
   return a.dtype == b.dtype && a.shape == b.shape && a.bytes == b.bytes;
 }
 
+// E, from the output projection's gradient [E, E].
+template <class T>
+mha::Index embed_dim_of(const Named<T>& gradients) {
+  return gradients.at("grad.out_proj.weight").dim(0);
+}
+
 template <class T>
 void check_against_torch(const Named<T>& actual, const mha::io::SafetensorsFile& expected) {
   // The same tensors on both sides (attn_weights aside, which the forward tests compare).
@@ -220,7 +226,8 @@ void check_against_torch(const Named<T>& actual, const mha::io::SafetensorsFile&
     INFO("tensor " << entry.first);
     const auto e = mha::io::to_tensor<T>(entry.second, entry.first);
     if (is_gradient(entry.first)) {
-      CHECK_GRADIENTS_CLOSE(actual.at(entry.first), e);
+      CHECK_PARAMETER_GRADIENTS_CLOSE(entry.first.substr(5), actual.at(entry.first), e,
+                                      embed_dim_of(actual), mha_test::GradientTolerance<T>::rtol);
     } else {
       CHECK_TENSORS_CLOSE(actual.at(entry.first), e);
     }
@@ -272,6 +279,39 @@ TEST_CASE("the flash kernel's outputs equal PyTorch's on every reference fixture
       compare_tensor<double>(actual, expected.at("output"), "output");
     }
   }
+}
+
+// The path of the flash kernel (flash_path) each float fixture takes in the test above, from its
+// shapes: torch's own results then cover the small-head kernel at every head size it takes and
+// the GEMM tiles over several query and key blocks, at a head size that is a whole number of
+// vectors and one that is not (the path_* fixtures of generate.py).
+TEST_CASE("the float fixtures reach every path of the flash kernel", "[reference][flash]") {
+  std::set<mha::Index> small_head_dims, tiles_dims;  // the latter over several query blocks
+  int tiles_over_key_blocks = 0;
+  for (const auto& name : fixture_names()) {
+    const auto in = read_fixture(name, "in");
+    const bool talking =
+        in.tensors.count("talking_heads_pre") + in.tensors.count("talking_heads_post") > 0;
+    if (in.at("query").dtype != mha::io::Dtype::F32 || talking) continue;
+    const mha::Shape& query = in.at("query").shape;
+    const mha::Shape& key = in.at("key").shape;
+    const mha::Index embed_dim = query.back(), query_len = query[query.size() - 2];
+    const mha::Index key_len = key[key.size() - 2];
+    const mha::Index head_dim = embed_dim / std::stol(in.metadata.at("num_heads"));
+    mha::detail::CoreOptions<float> core;
+    if (in.metadata.count("softcap") == 1) core.softcap = std::stof(in.metadata.at("softcap"));
+    const auto path = mha::detail::flash_path<float>(head_dim, head_dim, query_len, core, {});
+    if (path == mha::detail::FlashPath::small_head) {
+      small_head_dims.insert(head_dim);
+    } else if (query_len > 64) {
+      tiles_dims.insert(head_dim);
+      if (key_len > 256) ++tiles_over_key_blocks;
+    }
+  }
+  CHECK(small_head_dims == std::set<mha::Index>{4, 8, 12, 16});
+  CHECK(tiles_dims.count(24) == 1);
+  CHECK(tiles_dims.count(32) == 1);
+  CHECK(tiles_over_key_blocks >= 2);
 }
 
 // float fixtures compare with torch's float32 results, whose own rounding the float tolerance must
@@ -350,7 +390,8 @@ TEST_CASE("float gradients are within float rounding of the same inputs computed
     const auto exact = library_gradients<double>(in, false);
     for (const auto& entry : exact) {
       INFO("tensor " << entry.first);
-      CHECK_GRADIENTS_CLOSE_TOL(single.at(entry.first), entry.second, 3e-6);
+      CHECK_PARAMETER_GRADIENTS_CLOSE(entry.first.substr(5), single.at(entry.first), entry.second,
+                                      embed_dim_of(exact), 3e-6);
     }
   }
 }

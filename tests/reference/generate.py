@@ -274,7 +274,8 @@ class Spec:
                  attn_mask=None, attn_inf=False, kpm=None, kpm_inf=False, is_causal=False,
                  need_weights=True, average=True, meta="full", seed=None, kernel=None, grad=False,
                  num_kv_heads=None, causal_alignment=None, window=None, alibi=None, softcap=None,
-                 rope=None, head_mask=None, dilation=None, global_tokens=None, block=None, talking=None):
+                 rope=None, head_mask=None, dilation=None, global_tokens=None, block=None, talking=None,
+                 param_std=0.5):
         assert dtype in ("f32", "f64")
         assert attn_mask in (None, "bool2d", "bool3d", "float2d", "float3d")
         assert kpm in (None, "bool", "float")
@@ -282,6 +283,8 @@ class Spec:
         assert kernel in (None, "auto", "reference", "flash")
         assert kernel != "flash" or not need_weights, name
         self.name, self.description, self.dtype = name, description, dtype
+        # The parameters' standard deviation (every case before path_cases: 0.5).
+        self.param_std = param_std
         self.B, self.L, self.E, self.H = B, L, E, H
         self.S = L if S is None else S
         self.kdim = E if kdim is None else kdim
@@ -1163,7 +1166,7 @@ def build_case(spec, cross_check=True):
         module_shapes = {n: x for n, x in shapes.items() if not n.startswith("talking_heads_")}
         assert torch_shapes == module_shapes, (spec.name, torch_shapes, shapes)
     # every parameter random, biases included (torch initialises them to zero), in name order
-    params = {name: rng.normal(0.0, 0.5, shapes[name]).astype(fdt) for name in sorted(shapes)}
+    params = {name: rng.normal(0.0, spec.param_std, shapes[name]).astype(fdt) for name in sorted(shapes)}
     if mha is not None:
         with torch.no_grad():
             for name, p in mha.state_dict(keep_vars=True).items():
@@ -1782,6 +1785,41 @@ def talking_cases():
     ]
 
 
+def path_cases():
+    """Float cases for each code path of the library's flash kernel (path_*), so that each is compared
+    with torch itself: the small-head register kernel at every head size it takes (D = 8, 12, 16,
+    at least 16 queries; D = 4 is reached by the *_tiles_* cases above), with several of its
+    32-query score groups, 256-query tasks and 256-key blocks; and the GEMM tiles at head sizes
+    that are no multiple of a vector (D = 24) and a multiple (D = 32), over several 64-query and
+    256-key blocks. tests/test_reference.cpp checks that they reach those paths."""
+    # Parameters drawn with standard deviation 0.5 * sqrt(8 / E), the gain of the E = 8 cases, so
+    # that outputs and scores stay of their size (0.5 at E = 32 gives outputs up to 30 and one-hot
+    # softmax rows).
+    def C(name, description, E, **kw):
+        return Spec(name, description, E=E, need_weights=False, param_std=0.5 * math.sqrt(8 / E), **kw)
+
+    def G(name, description, E, **kw):
+        return Spec(name, description, E=E, need_weights=False, grad=True,
+                    param_std=0.5 * math.sqrt(8 / E), **kw)
+    return [
+        G("path_grad_f32_small_head_D8_kpm", "small-head kernel D=8 (E=16, H=2), L=40, S=260 (two key "
+          "blocks), bool kpm",
+          dtype="f32", B=1, L=40, S=260, E=16, H=2, kpm="bool"),
+        C("path_f32_small_head_D16_self_causal", "small-head kernel D=16 (E=16, H=1), causal "
+          "self-attention L=S=270 (two 256-query tasks, two key blocks)",
+          dtype="f32", B=1, L=270, E=16, H=1, self_attn=True, is_causal=True),
+        C("path_f32_small_head_D12_float_mask", "small-head kernel D=12 (E=24, H=2), L=24, S=100, float "
+          "attn_mask with -inf",
+          dtype="f32", B=1, L=24, S=100, E=24, H=2, attn_mask="float2d", attn_inf=True),
+        C("path_f32_tiles_D24_kpm_float", "GEMM tiles D=24 (E=24, H=1), L=70, S=260 (two query and "
+          "two key blocks), float kpm",
+          dtype="f32", B=1, L=70, S=260, E=24, H=1, kpm="float"),
+        C("path_f32_tiles_D32_self_causal", "GEMM tiles D=32 (E=32, H=1), causal self-attention L=S=70 "
+          "(two query blocks)",
+          dtype="f32", B=1, L=70, E=32, H=1, self_attn=True, is_causal=True),
+    ]
+
+
 def head_mask_cases():
     """Per-head gates (head_mask_*; head_mask_grad_* with gradients): a head_mask tensor [H] whose
     gate m_h multiplies head h's weights and so its output (Hugging Face's head_mask); gates of 0
@@ -2021,7 +2059,7 @@ def main(argv=None):
                          args.gate_share, args.pattern_share, args.talking_share) \
         if args.random is not None else (fixed_cases() + gradient_cases() + gqa_cases() + modern_cases()
                                          + rope_cases() + head_mask_cases() + dilation_cases()
-                                         + pattern_cases() + talking_cases())
+                                         + pattern_cases() + talking_cases() + path_cases())
     if args.only:
         specs = [s for s in specs if any(s.name.startswith(p) for p in args.only)]
     names = [s.name for s in specs]

@@ -39,6 +39,26 @@ struct FlashBlocks {
   bool small_heads = true;
 };
 
+// The code attention_flash runs: its tiles of Eigen products, or the register kernel of
+// flash_small_head.hpp for small float heads (D = Dv in {4, 8, 12, 16}, at least
+// kSmallHeadMinQueries queries, no softcap or dropout), whose D-deep products cost more than
+// their arithmetic in the tiles (bench/RESULTS.md, 2026-12-01). The kernel dispatches on it and
+// the tests assert which path their cases reach.
+enum class FlashPath { tiles, small_head };
+
+template <class T, class Stored = T>
+FlashPath flash_path(Index head_dim, Index value_dim, Index query_len,
+                     const CoreOptions<T>& options, const FlashBlocks& blocks) {
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<Stored, T>) {
+    if (blocks.small_heads && Eigen::internal::packet_traits<float>::Vectorizable &&
+        head_dim == value_dim && small_head_kernel_exists(head_dim) &&
+        query_len >= kSmallHeadMinQueries && options.softcap == T(0) && !options.dropout.active()) {
+      return FlashPath::small_head;
+    }
+  }
+  return FlashPath::tiles;
+}
+
 // Rows j0 .. j0 + count - 1 of one head's keys or values as T: the stored rows themselves, or
 // (16-bit storage) their conversion into `tile` ([block, D], sized by the caller).
 template <class T, class Head>
@@ -65,12 +85,8 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
                      const HeadLayout<T>& out, const CoreOptions<T>& options,
                      std::vector<KernelScratch<T>>& scratch, T* logsumexp = nullptr,
                      const FlashBlocks& blocks = {}) {
-  // Small float heads run the register kernel of flash_small_head.hpp instead of these tiles,
-  // whose D-deep products cost more than their arithmetic there (bench/RESULTS.md, 2026-12-01).
   if constexpr (std::is_same_v<T, float> && std::is_same_v<Stored, T>) {
-    if (blocks.small_heads && Eigen::internal::packet_traits<float>::Vectorizable &&
-        q.cols == v.cols && small_head_kernel_exists(q.cols) && q.rows >= kSmallHeadMinQueries &&
-        options.softcap == T(0) && !options.dropout.active()) {
+    if (flash_path<T, Stored>(q.cols, v.cols, q.rows, options, blocks) == FlashPath::small_head) {
       const auto run = [&](auto head_dim) {
         attention_flash_small_head<decltype(head_dim)::value>(batch, heads, q, k, v, out, options,
                                                               scratch, logsumexp);
