@@ -1,13 +1,17 @@
 // Google Benchmark suite. Names: forward/<kernel>/B:<b>/L:<l>/E:<e>/H:<h> for the whole layer,
 // train/<kernel>/... for one training step of it (forward_train + backward), sdpa/<kernel>/...
-// for the attention core alone, gemm/N:<n> for the GEMM ceiling in the same run. FLOPs per batch
-// element (self-attention, L = S = n, width E): projections 8·n·E², core 4·n²·E; the GFLOPS
-// counter uses these counts (three times them for train/, see train below). The peak_extra_MiB
+// for the attention core alone, gemm/N:<n> for the GEMM in the same run, and ceiling/... for the
+// machine's limits measured in the same run (ceilings.hpp: the FMA peak, the bf16 dot-product
+// peak, the memory read bandwidth), which run first. FLOPs per batch element (self-attention,
+// L = S = n, width E): projections 8·n·E², core 4·n²·E; the GFLOPS counter uses these counts
+// (three times them for train/, see train below), and of_fma_peak divides it by the FMA peak;
+// decode/ reports GB_per_s read and of_read_bandwidth likewise. The peak_extra_MiB
 // counter is the most heap memory one call held above what was allocated before it (inputs and
 // the layer excluded, outputs included), from counting malloc/free in this binary (glibc).
 #include <benchmark/benchmark.h>
 #include <malloc.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cerrno>
@@ -15,9 +19,12 @@
 #include <cstdint>
 #include <iterator>
 #include <set>
+#include <string>
 #include <vector>
 
 #include <mha/mha.hpp>
+
+#include "ceilings.hpp"
 
 // Heap accounting: every allocation of this process goes through these wrappers of glibc's
 // allocator, which keep the bytes in use and the peak since the last reset.
@@ -107,9 +114,53 @@ mha::Tensor<float> random_tensor(const mha::Shape& shape, std::uint64_t seed) {
   return t;
 }
 
+// GFLOPS, and of_fma_peak: that rate as a fraction of the FMA peak measured in this run.
 void set_flops(benchmark::State& state, double flops_per_iteration) {
   state.counters["GFLOPS"] =
       benchmark::Counter(flops_per_iteration * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["of_fma_peak"] =
+      benchmark::Counter(flops_per_iteration * 1e-9 / mha_bench::ceilings().fma_gflops,
+                         benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// GB_per_s read, and of_read_bandwidth: that rate as a fraction of the memory read bandwidth
+// measured in this run.
+void set_bytes_read(benchmark::State& state, double bytes_per_iteration) {
+  state.counters["GB_per_s"] =
+      benchmark::Counter(bytes_per_iteration * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["of_read_bandwidth"] =
+      benchmark::Counter(bytes_per_iteration * 1e-9 / mha_bench::ceilings().read_gbs,
+                         benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// The ceilings as benchmarks of their own (ceiling/...), run first: each repetition measures
+// again, and the best of them is what the fractions of the later benchmarks divide by.
+void ceiling_fma(benchmark::State& state) {
+  std::string isa;
+  double best = 0;
+  for (auto _ : state) best = std::max(best, mha_bench::fma_peak_gflops(0.2, &isa));
+  state.counters["GFLOPS"] = best;
+  state.SetLabel(isa);
+  auto& ceilings = mha_bench::ceilings();
+  ceilings.fma_gflops = std::max(ceilings.fma_gflops, best);
+}
+void ceiling_bf16(benchmark::State& state) {
+  double best = 0;
+  for (auto _ : state) best = std::max(best, mha_bench::bf16_peak_gflops(0.2));
+  if (best == 0) {
+    state.SkipWithError("this CPU has no AVX512_BF16");
+    return;
+  }
+  state.counters["GFLOPS"] = best;
+  auto& ceilings = mha_bench::ceilings();
+  ceilings.bf16_gflops = std::max(ceilings.bf16_gflops, best);
+}
+void ceiling_read(benchmark::State& state) {
+  double best = 0;
+  for (auto _ : state) best = std::max(best, mha_bench::memory_read_gbs(0.3));
+  state.counters["GB_per_s"] = best;
+  auto& ceilings = mha_bench::ceilings();
+  ceilings.read_gbs = std::max(ceilings.read_gbs, best);
 }
 
 void forward(benchmark::State& state, mha::Kernel kernel) {
@@ -399,9 +450,11 @@ void decode(benchmark::State& state) {
       benchmark::Counter(static_cast<double>(B), benchmark::Counter::kIsIterationInvariantRate);
   const double d = static_cast<double>(E / H), e = static_cast<double>(E);
   const double kv = static_cast<double>(kv_heads) * d;
-  state.counters["weights_MiB"] = 4.0 * (2 * e * e + 2 * kv * e) / (1024.0 * 1024.0);
-  state.counters["cache_MiB"] =
-      4.0 * static_cast<double>(B) * 2 * static_cast<double>(context) * kv / (1024.0 * 1024.0);
+  const double weight_bytes = 4.0 * (2 * e * e + 2 * kv * e);
+  const double cache_bytes = 4.0 * static_cast<double>(B) * 2 * static_cast<double>(context) * kv;
+  state.counters["weights_MiB"] = weight_bytes / (1024.0 * 1024.0);
+  state.counters["cache_MiB"] = cache_bytes / (1024.0 * 1024.0);
+  set_bytes_read(state, weight_bytes + cache_bytes);
 }
 
 // The same layer (H_kv = range(1)) taking a prompt of range(0) tokens, B = 1: all at once (one
@@ -505,6 +558,9 @@ void sweep_shapes(benchmark::internal::Benchmark* b) {
 
 }  // namespace
 
+BENCHMARK(ceiling_fma)->Name("ceiling/fma_peak")->Iterations(3)->Unit(benchmark::kMillisecond);
+BENCHMARK(ceiling_bf16)->Name("ceiling/bf16_peak")->Iterations(3)->Unit(benchmark::kMillisecond);
+BENCHMARK(ceiling_read)->Name("ceiling/memory_read")->Iterations(3)->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(forward, reference, mha::Kernel::reference)
     ->Name("forward/reference")
     ->Apply(reference_shapes);
@@ -610,4 +666,17 @@ BENCHMARK_TEMPLATE(precision_decode, Eigen::bfloat16)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(gemm)->Name("gemm")->ArgName("N")->Arg(512)->Arg(1024)->Unit(benchmark::kMillisecond);
 
-BENCHMARK_MAIN();
+// Google Benchmark's main, with the ceilings measured before the first benchmark and written
+// into the output's context (the ceiling benchmarks measure them again, and raise them).
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  const auto& ceilings = mha_bench::ceilings();
+  benchmark::AddCustomContext("fma_peak_GFLOPS",
+                              std::to_string(ceilings.fma_gflops) + " (" + ceilings.fma_isa + ")");
+  benchmark::AddCustomContext("bf16_peak_GFLOPS", std::to_string(ceilings.bf16_gflops));
+  benchmark::AddCustomContext("memory_read_GB_per_s", std::to_string(ceilings.read_gbs));
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

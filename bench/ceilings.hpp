@@ -1,0 +1,28 @@
+// The machine's ceilings, measured in the same run as the benchmarks they bound: the fp32 FMA
+// peak, the bf16 dot-product peak (where the CPU has AVX512_BF16) and the memory read bandwidth.
+// Each is the best of a few short timed runs on all of OpenMP's threads. The instructions are
+// chosen at run time from what the CPU has (AVX-512, else AVX2 with FMA, else plain C++), so one
+// binary measures each machine it runs on.
+#pragma once
+
+#include <string>
+
+namespace mha_bench {
+
+struct Ceilings {
+  double fma_gflops = 0;   // fp32 multiply-adds, 2 flops each
+  double bf16_gflops = 0;  // vdpbf16ps, 4 flops per 32-bit lane; 0 where the CPU lacks it
+  double read_gbs = 0;     // reading an array far larger than the last-level cache
+  std::string fma_isa;     // the instructions the FMA peak ran: "avx512", "avx2" or "scalar"
+};
+
+// Each measurement takes about `seconds` (0.1 to 1 is enough: the loops reach their rate at once).
+double fma_peak_gflops(double seconds, std::string* isa = nullptr);
+double bf16_peak_gflops(double seconds);
+double memory_read_gbs(double seconds);
+
+// All three, measured once (the first call) and kept; the benchmarks' fraction counters divide by
+// these. The ceiling benchmarks raise them to the best they measure.
+Ceilings& ceilings();
+
+}  // namespace mha_bench
