@@ -499,6 +499,23 @@ void gemm(benchmark::State& state) {
   set_flops(state, 2.0 * static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(n));
 }
 
+// The layer's own product, as its projections run it (kernels/gemm.hpp: x Wᵀ, threaded over
+// slabs): dst [L, N] = x [L, E] · W[N, E]ᵀ, N = range(2) (3E for the packed q, k, v projection).
+void projection(benchmark::State& state) {
+  const mha::Index L = state.range(0), E = state.range(1), N = state.range(2);
+  const auto x = random_tensor({L, E}, 1), w = random_tensor({N, E}, 2);
+  mha::Tensor<float> dst({L, N});
+  std::vector<mha::detail::KernelScratch<float>> scratch;
+  const Eigen::Map<const mha::Matrix<float>> weight(w.data(), N, E);
+  for (auto _ : state) {
+    mha::detail::product_transposed<float, float>(
+        mha::detail::strided(dst.matrix()), mha::detail::const_strided(x.matrix()), weight,
+        mha::detail::Accumulate::no, scratch);
+    benchmark::DoNotOptimize(dst.data());
+  }
+  set_flops(state, 2.0 * static_cast<double>(L) * static_cast<double>(E) * static_cast<double>(N));
+}
+
 using Config = std::array<std::int64_t, 4>;  // B, L, E, H
 
 const std::vector<Config> kDefaultConfigs = {
@@ -663,6 +680,14 @@ BENCHMARK_TEMPLATE(precision_decode, Eigen::bfloat16)
     ->ArgName("context")
     ->Arg(16)
     ->Arg(2048)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(projection)
+    ->Name("projection")
+    ->ArgNames({"L", "E", "N"})
+    ->Args({128, 768, 2304})
+    ->Args({2048, 512, 1536})
+    ->Args({2048, 1024, 3072})
+    ->Args({1024, 1024, 1024})
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(gemm)->Name("gemm")->ArgName("N")->Arg(512)->Arg(1024)->Unit(benchmark::kMillisecond);
 

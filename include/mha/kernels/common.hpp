@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "mha/kernels/flash_panels.hpp"
 #include "mha/kernels/tile_product.hpp"
 #include "mha/mask.hpp"
 #include "mha/tensor.hpp"
@@ -460,6 +461,8 @@ struct KernelScratch {
   // vector that only grows, since one forward converts weights of several shapes.
   Matrix<T> key_tile, value_tile;
   std::vector<T> weight_rows;
+  // The float flash kernel's operands packed for the library's own GEMM (flash_panels.hpp).
+  FlashPanels panels;
 };
 
 // One KernelScratch per thread that the next parallel region can have.

@@ -39,6 +39,9 @@ struct FlashBlocks {
   bool small_heads = true;
 };
 
+// Fewer queries than this share too little of a packed head (flash_panels.hpp).
+constexpr Index kPanelsMinQueries = 16;
+
 // The code attention_flash runs: its tiles of Eigen products, or the register kernel of
 // flash_small_head.hpp for small float heads (D = Dv in {4, 8, 12, 16}, at least
 // kSmallHeadMinQueries queries, no softcap or dropout), whose D-deep products cost more than
@@ -113,12 +116,21 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
       static_cast<double>(batch * heads) * static_cast<double>(query_len) *
       static_cast<double>(key_len) * static_cast<double>(q.cols + value_dim);
 
+  // The tiles' products from packed panels (flash_panels.hpp) where the library's own GEMM runs:
+  // each thread packs a head's keys and values once for all the query blocks it takes of it.
+  // Not with softcap, whose capped scores add_scores keeps apart, nor for a few queries (a
+  // decoding step), for which packing a head would cost as much as reading it.
+  constexpr bool kFloat = std::is_same_v<T, float> && std::is_same_v<Stored, float>;
+  const bool panels = kFloat && packed_gemm_available() && options.softcap == T(0) &&
+                      query_len >= kPanelsMinQueries;
+
   // Threads split (batch, head, query block) tasks; each task is computed whole by one thread
   // with the same arithmetic, so results do not depend on the number of threads.
   scratch_for_threads(scratch);
   MHA_OMP_PRAGMA(omp parallel if (worth_threads(tasks, work))) {
     // This thread's buffers: resized only when the shapes change, never inside the task loop.
     KernelScratch<T>& mine = scratch[static_cast<std::size_t>(thread_index())];
+    mine.panels.forget();
     mine.scores.resize(blocks.query, blocks.key);
     if (options.softcap > T(0)) mine.capped.resize(blocks.query, blocks.key);
     mine.acc.resize(blocks.query, value_dim);
@@ -151,6 +163,11 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
       row_max.head(rows).setConstant(kNegInf);
       row_sum.head(rows).setZero();
 
+      const float* packed_queries = nullptr;
+      if constexpr (kFloat) {
+        if (panels) packed_queries = mine.panels.queries(const_strided(q_bh.middleRows(i0, rows)));
+      }
+
       const auto process = [&](Index j0, Index cols) {
         auto s = tile.topLeftCorner(rows, cols);
         // pass 1: masks first, so a block they hide wholly costs no GEMM
@@ -158,11 +175,25 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
         if (masked_tile) {
           options.masks(b, h, query_len, i0, j0, s);
           if ((s.array() == kNegInf).all()) return;
-        } else {
+        } else if (!panels) {
           s.setZero();
         }
-        options.add_scores(s, q_bh.middleRows(i0, rows), rows_as<T>(k_bh, j0, cols, mine.key_tile),
-                           mine.capped);
+        if constexpr (kFloat) {
+          if (panels) {
+            // s = (masks +) scale q kᵀ, the keys' panels from the packed head where the block
+            // starts at one of its panels.
+            constexpr Index nr = PackedGemmShape::kNr;
+            const float* keys = j0 % nr == 0 ? mine.panels.head_keys(k_bh) + j0 * k.cols
+                                             : mine.panels.block_keys(k_bh, j0, cols);
+            multiply_panels(rows, cols, k.cols, packed_queries, k.cols * PackedGemmShape::kMr, keys,
+                            k.cols * nr, options.scale, !masked_tile, s.data(), tile.outerStride(),
+                            packed_gemm_buffers().edge);
+          }
+        }
+        if (!panels) {
+          options.add_scores(s, q_bh.middleRows(i0, rows),
+                             rows_as<T>(k_bh, j0, cols, mine.key_tile), mine.capped);
+        }
         // pass 2: online softmax, one row at a time
         for (Index r = 0; r < rows; ++r) {
           auto score_row = s.row(r);
@@ -190,6 +221,17 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
           }
         }
         if (options.dropout.active()) options.dropout.apply(b, h, i0, j0, s);
+        if constexpr (kFloat) {
+          if (panels) {
+            // acc += p v, the values' rows j0 .. of each packed panel.
+            const float* values = mine.panels.head_values(v_bh) + j0 * PackedGemmShape::kNr;
+            multiply_panels(rows, value_dim, cols, mine.panels.probabilities(const_strided(s)),
+                            cols * PackedGemmShape::kMr, values,
+                            FlashPanels::value_panel_stride(v_bh), 1.0F, false, acc_blk.data(),
+                            acc.outerStride(), packed_gemm_buffers().edge);
+            return;
+          }
+        }
         tile_product<T>(strided(acc_blk), const_strided(s), Operand::as_stored,
                         const_strided(rows_as<T>(v_bh, j0, cols, mine.value_tile)),
                         Operand::as_stored, Accumulate::yes);

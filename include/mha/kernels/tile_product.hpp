@@ -16,6 +16,7 @@
 #include <type_traits>
 
 #include "mha/compiled.hpp"
+#include "mha/kernels/packed_gemm.hpp"
 #include "mha/tensor.hpp"
 
 namespace mha::detail {
@@ -63,6 +64,19 @@ void tile_product(StridedMap<T> dst, ConstStridedMap<T> lhs, Operand lhs_op, Con
     }
   };
   const bool left_t = lhs_op == Operand::transposed, right_t = rhs_op == Operand::transposed;
+  if constexpr (std::is_same_v<T, float>) {
+    // The library's own GEMM where the CPU runs it (packed_gemm.hpp); one row (a query of a
+    // decoding step) is Eigen's matrix-vector product, which reads rhs once without packing it.
+    if (dst.rows() > 1 && packed_gemm_available()) {
+      const PackedOperand a = left_t ? PackedOperand{lhs.data(), 1, lhs.outerStride()}
+                                     : PackedOperand{lhs.data(), lhs.outerStride(), 1};
+      const PackedOperand b = right_t ? PackedOperand{rhs.data(), 1, rhs.outerStride()}
+                                      : PackedOperand{rhs.data(), rhs.outerStride(), 1};
+      packed_gemm(dst.rows(), dst.cols(), left_t ? lhs.rows() : lhs.cols(), a, b, alpha,
+                  accumulate == Accumulate::yes, dst.data(), dst.outerStride());
+      return;
+    }
+  }
   if (!left_t && !right_t) return product(lhs, rhs);
   if (!left_t) return product(lhs, rhs.transpose());
   if (!right_t) return product(lhs.transpose(), rhs);

@@ -1,0 +1,260 @@
+// The library's own fp32 GEMM: operands packed into panels and multiplied by a register-blocked
+// micro-kernel, chosen at run time from what the CPU has (AVX2 with FMA for now; elsewhere
+// tile_product keeps Eigen's GEMM). Serial: the callers thread it (gemm.hpp's slabs, the
+// attention kernels' tasks).
+//
+// Shapes: dst [M, N] = (or +=) alpha · op(lhs) [M, K] · op(rhs) [K, N], all row-major blocks.
+// Loops (BLIS's order): for each kKc-deep slice of K, pack op(rhs)'s slice [kc, N] into panels of
+// kNr columns (k-major: kNr values per k); for each kMc rows of op(lhs), pack them into panels of
+// kMr rows (kMr values per k); then each (kMr x kNr) tile of dst is one micro-kernel call, its
+// kMr·kNr sums in registers for the whole slice, the rhs panel (kKc · kNr floats, 16 KiB) in L1
+// and the lhs block (kMc · kKc, 72 KiB) in L2.
+//
+// Why not Eigen's GEMM: on this project's AVX2 machine it ran at 40-50 % of the FMA peak where
+// OpenBLAS and oneDNN ran at 60-75 % (bench/RESULTS.md, 2026-12-02); and the flash kernels'
+// tiles need a micro-kernel of their own.
+//
+// Rounding: each element of dst is alpha times its kc-slice sums, each a chain of FMAs in k
+// order, added to dst one slice after another. Slices start at multiples of kKc from k = 0 and
+// partial tiles are computed whole on zero-padded panels, so an element's arithmetic does not
+// depend on where a product is cut into slabs, nor so on the thread count.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define MHA_PACKED_GEMM_X86 1
+#endif
+
+#include "mha/tensor.hpp"
+
+namespace mha::detail {
+
+struct PackedGemmShape {
+  static constexpr Index kMr = 6;    // rows of a micro-tile
+  static constexpr Index kNr = 16;   // columns: two 8-float AVX registers
+  static constexpr Index kKc = 256;  // depth of a slice
+  static constexpr Index kMc = 72;   // rows of op(lhs) packed at once
+};
+
+// An operand as the packing reads it: element (i, j) of op(X) at data[i * row_step + j *
+// col_step] (a row-major block as stored: (stride, 1); transposed: (1, stride)).
+struct PackedOperand {
+  const float* data;
+  Index row_step;
+  Index col_step;
+  float at(Index i, Index j) const { return data[i * row_step + j * col_step]; }
+};
+
+// Rows [i0, i0 + rows) and depth [k0, k0 + depth) of op(lhs) into panels of kMr rows, each
+// depth x kMr (k-major), zero-padded to whole panels.
+inline void pack_lhs(const PackedOperand& lhs, Index i0, Index rows, Index k0, Index depth,
+                     float* packed) {
+  constexpr Index mr = PackedGemmShape::kMr;
+  for (Index p = 0; p < rows; p += mr) {
+    const Index height = std::min(mr, rows - p);
+    for (Index k = 0; k < depth; ++k) {
+      Index r = 0;
+      for (; r < height; ++r) packed[r] = lhs.at(i0 + p + r, k0 + k);
+      for (; r < mr; ++r) packed[r] = 0.0F;
+      packed += mr;
+    }
+  }
+}
+
+// Depth [k0, k0 + depth) and columns [j0, j0 + cols) of op(rhs) into panels of kNr columns,
+// each depth x kNr (k-major), zero-padded to whole panels. A row of op(rhs) that is contiguous in
+// memory (rhs as stored) is copied as such.
+inline void pack_rhs(const PackedOperand& rhs, Index k0, Index depth, Index j0, Index cols,
+                     float* packed) {
+  constexpr Index nr = PackedGemmShape::kNr;
+  for (Index p = 0; p < cols; p += nr, packed += depth * nr) {
+    const Index width = std::min(nr, cols - p);
+    if (rhs.col_step == 1) {
+      for (Index k = 0; k < depth; ++k) {
+        const float* row = rhs.data + (k0 + k) * rhs.row_step + j0 + p;
+        std::copy(row, row + width, packed + k * nr);
+        std::fill(packed + k * nr + width, packed + (k + 1) * nr, 0.0F);
+      }
+    } else {
+      // A transposed rhs (x Wᵀ): each column of op(rhs) is a row of W, read along its length.
+      for (Index c = 0; c < nr; ++c) {
+        if (c < width) {
+          const float* column = rhs.data + (j0 + p + c) * rhs.col_step + k0 * rhs.row_step;
+          for (Index k = 0; k < depth; ++k) packed[k * nr + c] = column[k * rhs.row_step];
+        } else {
+          for (Index k = 0; k < depth; ++k) packed[k * nr + c] = 0.0F;
+        }
+      }
+    }
+  }
+}
+
+#ifdef MHA_PACKED_GEMM_X86
+// out[0, 16) = (first ? 0 : out) + scale · (left, right). (A function rather than a lambda: a
+// lambda would not inherit the caller's target attribute.)
+__attribute__((target("avx2,fma"))) inline void store_tile_row(float* out, __m256 left,
+                                                               __m256 right, __m256 scale,
+                                                               bool first) {
+  left = _mm256_mul_ps(scale, left);
+  right = _mm256_mul_ps(scale, right);
+  if (!first) {
+    left = _mm256_add_ps(_mm256_loadu_ps(out), left);
+    right = _mm256_add_ps(_mm256_loadu_ps(out + 8), right);
+  }
+  _mm256_storeu_ps(out, left);
+  _mm256_storeu_ps(out + 8, right);
+}
+
+// tile [kMr, kNr] (row stride ld) = (first ? 0 : tile) + alpha · a_panel · b_panel over `depth`:
+// 12 accumulators of 8 floats, two rhs registers and one broadcast lhs value: 15 of the 16 AVX
+// registers, two FMAs per broadcast.
+__attribute__((target("avx2,fma"))) inline void micro_kernel_avx2(Index depth, const float* a,
+                                                                  const float* b, float alpha,
+                                                                  bool first, float* tile,
+                                                                  Index ld) {
+  // The tile's rows (6 lines of dst, a row stride apart, often in the same cache set) are fetched
+  // while the sums are formed: reading them cold after the loop cost a fifth of the time.
+  if (!first) {
+    for (Index r = 0; r < 6; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(tile + r * ld), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(tile + r * ld + 15), _MM_HINT_T0);
+    }
+  }
+  __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps();
+  __m256 c10 = _mm256_setzero_ps(), c11 = _mm256_setzero_ps();
+  __m256 c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps();
+  __m256 c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps();
+  __m256 c40 = _mm256_setzero_ps(), c41 = _mm256_setzero_ps();
+  __m256 c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
+  for (Index k = 0; k < depth; ++k, a += 6, b += 16) {
+    const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+    __m256 x = _mm256_broadcast_ss(a);
+    c00 = _mm256_fmadd_ps(x, b0, c00);
+    c01 = _mm256_fmadd_ps(x, b1, c01);
+    x = _mm256_broadcast_ss(a + 1);
+    c10 = _mm256_fmadd_ps(x, b0, c10);
+    c11 = _mm256_fmadd_ps(x, b1, c11);
+    x = _mm256_broadcast_ss(a + 2);
+    c20 = _mm256_fmadd_ps(x, b0, c20);
+    c21 = _mm256_fmadd_ps(x, b1, c21);
+    x = _mm256_broadcast_ss(a + 3);
+    c30 = _mm256_fmadd_ps(x, b0, c30);
+    c31 = _mm256_fmadd_ps(x, b1, c31);
+    x = _mm256_broadcast_ss(a + 4);
+    c40 = _mm256_fmadd_ps(x, b0, c40);
+    c41 = _mm256_fmadd_ps(x, b1, c41);
+    x = _mm256_broadcast_ss(a + 5);
+    c50 = _mm256_fmadd_ps(x, b0, c50);
+    c51 = _mm256_fmadd_ps(x, b1, c51);
+  }
+  const __m256 scale = _mm256_set1_ps(alpha);
+  store_tile_row(tile, c00, c01, scale, first);
+  store_tile_row(tile + ld, c10, c11, scale, first);
+  store_tile_row(tile + 2 * ld, c20, c21, scale, first);
+  store_tile_row(tile + 3 * ld, c30, c31, scale, first);
+  store_tile_row(tile + 4 * ld, c40, c41, scale, first);
+  store_tile_row(tile + 5 * ld, c50, c51, scale, first);
+}
+#endif
+
+// Whether this CPU runs the packed GEMM (checked once).
+inline bool packed_gemm_available() {
+#ifdef MHA_PACKED_GEMM_X86
+  static const bool available = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return available;
+#else
+  return false;
+#endif
+}
+
+// dst [rows, cols] (row stride ld) = (first ? 0 : dst) + alpha · A · B over `depth`, from packed
+// panels: A's of kMr rows (k-major, a_stride floats apart), B's of kNr columns (k-major,
+// b_stride floats apart). A partial tile is computed whole into `edge` (kMr x kNr floats) and
+// its part copied, so that every element gets the same arithmetic. Only where
+// packed_gemm_available().
+inline void multiply_panels(Index rows, Index cols, Index depth, const float* a, Index a_stride,
+                            const float* b, Index b_stride, float alpha, bool first, float* dst,
+                            Index ld, float* edge) {
+#ifdef MHA_PACKED_GEMM_X86
+  using S = PackedGemmShape;
+  for (Index j = 0; j < cols; j += S::kNr) {
+    const float* b_panel = b + (j / S::kNr) * b_stride;
+    const Index width = std::min(S::kNr, cols - j);
+    for (Index i = 0; i < rows; i += S::kMr) {
+      const float* a_panel = a + (i / S::kMr) * a_stride;
+      const Index height = std::min(S::kMr, rows - i);
+      float* tile = dst + i * ld + j;
+      if (height == S::kMr && width == S::kNr) {
+        micro_kernel_avx2(depth, a_panel, b_panel, alpha, first, tile, ld);
+        continue;
+      }
+      for (Index r = 0; r < height && !first; ++r) {
+        std::copy(tile + r * ld, tile + r * ld + width, edge + r * S::kNr);
+      }
+      micro_kernel_avx2(depth, a_panel, b_panel, alpha, first, edge, S::kNr);
+      for (Index r = 0; r < height; ++r) {
+        std::copy(edge + r * S::kNr, edge + r * S::kNr + width, tile + r * ld);
+      }
+    }
+  }
+#else
+  static_cast<void>(rows), static_cast<void>(cols), static_cast<void>(depth), static_cast<void>(a);
+  static_cast<void>(a_stride), static_cast<void>(b), static_cast<void>(b_stride);
+  static_cast<void>(alpha), static_cast<void>(first), static_cast<void>(dst), static_cast<void>(ld);
+  static_cast<void>(edge);
+#endif
+}
+
+// Floats that panels of `count` rows (or columns) hold at `depth`: whole panels of `unit`.
+inline Index packed_size(Index count, Index unit, Index depth) {
+  return (count + unit - 1) / unit * unit * depth;
+}
+
+// This thread's packing buffers, grown to the largest request and then kept: repeated products
+// allocate nothing.
+struct PackedGemmBuffers {
+  std::vector<float, Eigen::aligned_allocator<float>> lhs, rhs;
+  float edge[PackedGemmShape::kMr * PackedGemmShape::kNr] = {};  // a partial tile, computed whole
+};
+inline PackedGemmBuffers& packed_gemm_buffers() {
+  thread_local PackedGemmBuffers buffers;
+  return buffers;
+}
+
+// dst [rows, cols] (row stride ld) = (or +=) alpha · op(lhs) · op(rhs) over depth; see the top of
+// this file. Only where packed_gemm_available().
+inline void packed_gemm(Index rows, Index cols, Index depth, const PackedOperand& lhs,
+                        const PackedOperand& rhs, float alpha, bool accumulate, float* dst,
+                        Index ld) {
+  using S = PackedGemmShape;
+  if (rows == 0 || cols == 0) return;
+  if (depth == 0) {
+    if (!accumulate) {
+      for (Index i = 0; i < rows; ++i) std::fill(dst + i * ld, dst + i * ld + cols, 0.0F);
+    }
+    return;
+  }
+  PackedGemmBuffers& buffers = packed_gemm_buffers();
+  const Index slice = std::min(S::kKc, depth);
+  const auto rhs_size = static_cast<std::size_t>(packed_size(cols, S::kNr, slice));
+  const auto lhs_size =
+      static_cast<std::size_t>(packed_size(std::min(S::kMc, rows), S::kMr, slice));
+  if (buffers.rhs.size() < rhs_size) buffers.rhs.resize(rhs_size);
+  if (buffers.lhs.size() < lhs_size) buffers.lhs.resize(lhs_size);
+  for (Index k0 = 0; k0 < depth; k0 += S::kKc) {
+    const Index kc = std::min(S::kKc, depth - k0);
+    pack_rhs(rhs, k0, kc, 0, cols, buffers.rhs.data());
+    for (Index i0 = 0; i0 < rows; i0 += S::kMc) {
+      const Index mc = std::min(S::kMc, rows - i0);
+      pack_lhs(lhs, i0, mc, k0, kc, buffers.lhs.data());
+      multiply_panels(mc, cols, kc, buffers.lhs.data(), kc * S::kMr, buffers.rhs.data(),
+                      kc * S::kNr, alpha, k0 == 0 && !accumulate, dst + i0 * ld, ld, buffers.edge);
+    }
+  }
+}
+
+}  // namespace mha::detail

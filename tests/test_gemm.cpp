@@ -1,0 +1,131 @@
+// The library's products (kernels/tile_product.hpp, kernels/packed_gemm.hpp, kernels/gemm.hpp):
+// every operand orientation, alpha and accumulation, at shapes that cut the packed GEMM's
+// micro-tiles, row blocks and depth slices anywhere, against the same product in double; and
+// the same element computed bit for bit alike wherever a product is cut into slabs.
+#include <vector>
+
+#include "helpers.hpp"
+
+using mha::Index;
+using mha::Tensor;
+using mha::detail::Accumulate;
+using mha::detail::Operand;
+
+namespace {
+
+// Float values on a grid of 1/64 in [-2, 2]: a product of two is a multiple of 2^-12 below 4 in
+// magnitude, and a sum of up to 600 of them (times 1 or 3/8, plus another grid value) needs at
+// most 24 bits for these seeds' sums: so every float product here is exact, in any order of
+// summation, and must equal the double one bit for bit.
+Tensor<float> grid_matrix(Index rows, Index cols, std::uint64_t seed) {
+  mha::Random random(seed);
+  Tensor<float> m({rows, cols});
+  for (Index i = 0; i < m.size(); ++i) {
+    m.data()[i] = static_cast<float>(std::round(random.uniform(-2, 2) * 64) / 64);
+  }
+  return m;
+}
+
+// op(m) in double: m as stored, or transposed.
+mha::Matrix<double> op(const Tensor<float>& m, Operand o) {
+  const mha::Matrix<double> widened = m.matrix().cast<double>();
+  return o == Operand::transposed ? mha::Matrix<double>(widened.transpose()) : widened;
+}
+
+Tensor<double> as_tensor(const mha::Matrix<double>& m) {
+  Tensor<double> t({m.rows(), m.cols()});
+  t.matrix() = m;
+  return t;
+}
+
+}  // namespace
+
+TEST_CASE("tile_product equals the product in double for every orientation and shape", "[gemm]") {
+  mha::Random random(31);
+  const auto pick = [&](Index low, Index high) {
+    return low + static_cast<Index>(random.uniform() * static_cast<double>(high - low + 1));
+  };
+  // Depths past one slice (256) and two, rows past one packed block (72), columns past a few
+  // micro-tiles (16), with remainders of every size.
+  for (int trial = 0; trial < 120; ++trial) {
+    const Index M = pick(1, 160), N = pick(1, 70),
+                K = trial % 3 == 0 ? pick(257, 600) : pick(1, 80);
+    const Operand lhs_op = random.uniform() < 0.5 ? Operand::as_stored : Operand::transposed;
+    const Operand rhs_op = random.uniform() < 0.5 ? Operand::as_stored : Operand::transposed;
+    const bool accumulate = random.uniform() < 0.5;
+    const float alpha = random.uniform() < 0.5 ? 1.0F : 0.375F;
+    const auto lhs = lhs_op == Operand::transposed ? grid_matrix(K, M, 10 + trial)
+                                                   : grid_matrix(M, K, 10 + trial);
+    const auto rhs = rhs_op == Operand::transposed ? grid_matrix(N, K, 20 + trial)
+                                                   : grid_matrix(K, N, 20 + trial);
+    auto dst = grid_matrix(M, N, 30 + trial);
+    mha::Matrix<double> expected = double(alpha) * op(lhs, lhs_op) * op(rhs, rhs_op);
+    if (accumulate) expected += dst.matrix().cast<double>();
+    mha::detail::tile_product<float>(mha::detail::strided(dst.matrix()),
+                                     mha::detail::const_strided(lhs.matrix()), lhs_op,
+                                     mha::detail::const_strided(rhs.matrix()), rhs_op,
+                                     accumulate ? Accumulate::yes : Accumulate::no, alpha);
+    INFO("trial " << trial << ": M " << M << " N " << N << " K " << K << " lhs "
+                  << (lhs_op == Operand::transposed ? "transposed" : "as stored") << " rhs "
+                  << (rhs_op == Operand::transposed ? "transposed" : "as stored")
+                  << (accumulate ? " accumulate" : "") << " alpha " << alpha);
+    CHECK_TENSORS_CLOSE_TOL(dst, as_tensor(expected), 0.0, 0.0);
+  }
+}
+
+TEST_CASE("a product's elements do not depend on how it is cut into slabs", "[gemm][threads]") {
+  // The layer's threaded products cut dst into slabs of rows or columns (gemm.hpp), by a rule on
+  // the shape; the packed GEMM must give each element the same arithmetic wherever the cut is.
+  mha::Random random(5);
+  const Index M = 150, N = 90, K = 700;
+  const auto lhs = mha_test::random_tensor<float>({M, K}, 1);
+  const auto rhs = mha_test::random_tensor<float>({N, K}, 2);
+  Tensor<float> whole({M, N});
+  mha::detail::tile_product<float>(mha::detail::strided(whole.matrix()),
+                                   mha::detail::const_strided(lhs.matrix()), Operand::as_stored,
+                                   mha::detail::const_strided(rhs.matrix()), Operand::transposed,
+                                   Accumulate::no);
+  for (int trial = 0; trial < 20; ++trial) {
+    // (At least two rows or columns a piece: one row is a matrix-vector product, see tile_product.)
+    const Index cut = 2 + static_cast<Index>(random.uniform() * static_cast<double>(M - 4));
+    const bool by_rows = trial % 2 == 0;
+    Tensor<float> pieces({M, N});
+    auto dst = pieces.matrix();
+    const auto a = lhs.matrix();
+    const auto b = rhs.matrix();
+    const Index extent = by_rows ? M : N, at = std::min(cut, extent - 2);
+    for (const auto& [start, count] : {std::pair<Index, Index>{0, at}, {at, extent - at}}) {
+      if (by_rows) {
+        mha::detail::tile_product<float>(mha::detail::strided(dst.middleRows(start, count)),
+                                         mha::detail::const_strided(a.middleRows(start, count)),
+                                         Operand::as_stored, mha::detail::const_strided(b),
+                                         Operand::transposed, Accumulate::no);
+      } else {
+        mha::detail::tile_product<float>(mha::detail::strided(dst.middleCols(start, count)),
+                                         mha::detail::const_strided(a), Operand::as_stored,
+                                         mha::detail::const_strided(b.middleRows(start, count)),
+                                         Operand::transposed, Accumulate::no);
+      }
+    }
+    INFO((by_rows ? "rows" : "columns") << " cut at " << at);
+    CHECK(pieces.flat() == whole.flat());
+  }
+}
+
+TEST_CASE("the layer's threaded products equal the product in double", "[gemm]") {
+  // kernels/gemm.hpp: slabs of dst, each a tile_product, and dot products for a few rows.
+  for (const Index rows : {1, 5, 16, 17, 300}) {
+    const Index E = 300, N = 520;
+    const auto x = grid_matrix(rows, E, 1);
+    const auto w = grid_matrix(N, E, 2);
+    Tensor<float> dst({rows, N});
+    std::vector<mha::detail::KernelScratch<float>> scratch;
+    const Eigen::Map<const mha::Matrix<float>> weight(w.data(), N, E);
+    mha::detail::product_transposed<float, float>(mha::detail::strided(dst.matrix()),
+                                                  mha::detail::const_strided(x.matrix()), weight,
+                                                  Accumulate::no, scratch);
+    INFO("rows " << rows);
+    CHECK_TENSORS_CLOSE_TOL(dst, as_tensor(op(x, Operand::as_stored) * op(w, Operand::transposed)),
+                            0.0, 0.0);
+  }
+}
