@@ -62,6 +62,31 @@ FlashPath flash_path(Index head_dim, Index value_dim, Index query_len,
   return FlashPath::tiles;
 }
 
+// row[0, cols) <- exp(row - shift) by exp_shifted, a packet at a time (the last one padded with
+// -inf, which gives 0); returns their sum, formed lane by lane and then across lanes.
+inline float exp_shifted_row(float* row, Index cols, float shift) {
+  using Packet = Eigen::internal::packet_traits<float>::type;
+  constexpr Index lanes = Eigen::internal::packet_traits<float>::size;
+  const Packet shift_packet = Eigen::internal::pset1<Packet>(shift);
+  Packet sum = Eigen::internal::pzero(Packet{});
+  Index c = 0;
+  for (; c + lanes <= cols; c += lanes) {
+    const Packet p = exp_shifted(Eigen::internal::ploadu<Packet>(row + c), shift_packet);
+    Eigen::internal::pstoreu(row + c, p);
+    sum = Eigen::internal::padd(sum, p);
+  }
+  if (c < cols) {
+    float last[lanes];
+    std::fill(last, last + lanes, -std::numeric_limits<float>::infinity());
+    std::copy(row + c, row + cols, last);
+    const Packet p = exp_shifted(Eigen::internal::ploadu<Packet>(last), shift_packet);
+    Eigen::internal::pstoreu(last, p);
+    std::copy(last, last + (cols - c), row + c);
+    sum = Eigen::internal::padd(sum, p);
+  }
+  return Eigen::internal::predux(sum);
+}
+
 // Rows j0 .. j0 + count - 1 of one head's keys or values as T: the stored rows themselves, or
 // (16-bit storage) their conversion into `tile` ([block, D], sized by the caller).
 template <class T, class Head>
@@ -163,11 +188,6 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
       row_max.head(rows).setConstant(kNegInf);
       row_sum.head(rows).setZero();
 
-      const float* packed_queries = nullptr;
-      if constexpr (kFloat) {
-        if (panels) packed_queries = mine.panels.queries(const_strided(q_bh.middleRows(i0, rows)));
-      }
-
       const auto process = [&](Index j0, Index cols) {
         auto s = tile.topLeftCorner(rows, cols);
         // pass 1: masks first, so a block they hide wholly costs no GEMM
@@ -185,9 +205,10 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
             constexpr Index nr = PackedGemmShape::kNr;
             const float* keys = j0 % nr == 0 ? mine.panels.head_keys(k_bh) + j0 * k.cols
                                              : mine.panels.block_keys(k_bh, j0, cols);
-            multiply_panels(rows, cols, k.cols, packed_queries, k.cols * PackedGemmShape::kMr, keys,
-                            k.cols * nr, options.scale, !masked_tile, s.data(), tile.outerStride(),
-                            packed_gemm_buffers().edge);
+            const LeftOperand queries{q_bh.data() + i0 * q_bh.outerStride(), q_bh.outerStride(),
+                                      false};
+            multiply_panels(rows, cols, k.cols, queries, keys, k.cols * nr, options.scale,
+                            !masked_tile, s.data(), tile.outerStride(), packed_gemm_buffers().edge);
           }
         }
         if (!panels) {
@@ -212,6 +233,13 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
             acc_blk.row(r) *= correction;
             row_max(r) = block_max;
           }
+          if constexpr (kFloat) {
+            if (panels) {
+              // exp_shifted (flash_small_head.hpp), fused with the row sum: -inf gives 0.
+              row_sum(r) += exp_shifted_row(score_row.data(), cols, row_max(r));
+              continue;
+            }
+          }
           if (masked_tile) {
             row_sum(r) += exp_shifted_inplace(score_row, row_max(r), exps);
           } else {
@@ -225,10 +253,9 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
           if (panels) {
             // acc += p v, the values' rows j0 .. of each packed panel.
             const float* values = mine.panels.head_values(v_bh) + j0 * PackedGemmShape::kNr;
-            multiply_panels(rows, value_dim, cols, mine.panels.probabilities(const_strided(s)),
-                            cols * PackedGemmShape::kMr, values,
-                            FlashPanels::value_panel_stride(v_bh), 1.0F, false, acc_blk.data(),
-                            acc.outerStride(), packed_gemm_buffers().edge);
+            multiply_panels(rows, value_dim, cols, LeftOperand{s.data(), tile.outerStride(), false},
+                            values, FlashPanels::value_panel_stride(v_bh), 1.0F, false,
+                            acc_blk.data(), acc.outerStride(), packed_gemm_buffers().edge);
             return;
           }
         }

@@ -1,11 +1,10 @@
-// The flash kernel's operands as the packed GEMM's panels (packed_gemm.hpp), so that its tile
-// products run on the micro-kernel without packing the same keys and values again for every
-// query block: one thread's packed copy of the head it is working on (keys as panels of kNr keys
-// over D, values as panels of kNr value columns over S'), its query block (panels of kMr
-// queries over D) and a tile's probabilities (panels of kMr queries over the tile's keys).
+// The flash kernel's keys and values as the packed GEMM's right-hand panels (packed_gemm.hpp), so
+// that its tile products run on the micro-kernel without packing the same keys and values again
+// for every query block: one thread's packed copy of the head it is working on, keys as panels
+// of kNr keys over D, values as panels of kNr value columns over S'. (The left operands, a
+// query block and a tile's probabilities, are read by the micro-kernel as the rows they are.)
 //
-// Shapes: a head's keys k [S', D] and values v [S', Dv]; a query block q [rows, D]; scores and
-// probabilities [rows, cols] for keys j0 .. j0 + cols - 1.
+// Shapes: a head's keys k [S', D] and values v [S', Dv]; a key block j0 .. j0 + cols - 1.
 #pragma once
 
 #include <vector>
@@ -53,22 +52,6 @@ class FlashPanels {
     return block_keys_.data();
   }
 
-  // q [rows, D] as panels of kMr queries.
-  const float* queries(const ConstStridedMap<float>& q) {
-    grow(queries_, packed_size(q.rows(), PackedGemmShape::kMr, q.cols()));
-    pack_lhs(PackedOperand{q.data(), q.outerStride(), 1}, 0, q.rows(), 0, q.cols(),
-             queries_.data());
-    return queries_.data();
-  }
-
-  // A tile's probabilities p [rows, cols] as panels of kMr queries over its keys.
-  const float* probabilities(const ConstStridedMap<float>& p) {
-    grow(probabilities_, packed_size(p.rows(), PackedGemmShape::kMr, p.cols()));
-    pack_lhs(PackedOperand{p.data(), p.outerStride(), 1}, 0, p.rows(), 0, p.cols(),
-             probabilities_.data());
-    return probabilities_.data();
-  }
-
  private:
   using Buffer = std::vector<float, Eigen::aligned_allocator<float>>;
   // Buffers only grow: a thread's calls of the same shapes allocate nothing.
@@ -76,7 +59,7 @@ class FlashPanels {
     if (static_cast<Index>(buffer.size()) < size) buffer.resize(static_cast<std::size_t>(size));
   }
 
-  Buffer keys_, values_, block_keys_, queries_, probabilities_;
+  Buffer keys_, values_, block_keys_;
   const float* keys_of_ = nullptr;
   const float* values_of_ = nullptr;
 };

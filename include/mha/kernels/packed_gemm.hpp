@@ -109,10 +109,12 @@ __attribute__((target("avx2,fma"))) inline void store_tile_row(float* out, __m25
   _mm256_storeu_ps(out + 8, right);
 }
 
-// tile [kMr, kNr] (row stride ld) = (first ? 0 : tile) + alpha · a_panel · b_panel over `depth`:
-// 12 accumulators of 8 floats, two rhs registers and one broadcast lhs value: 15 of the 16 AVX
-// registers, two FMAs per broadcast.
+// tile [kMr, kNr] (row stride ld) = (first ? 0 : tile) + alpha · A · b_panel over `depth`, A's
+// element (r, k) at a[r * a_row_step + k * a_k_step] (a packed panel: steps 1 and kMr; rows of
+// a row-major block: its row stride and 1): 12 accumulators of 8 floats, two rhs registers and
+// one broadcast lhs value, 15 of the 16 AVX registers, two FMAs per broadcast.
 __attribute__((target("avx2,fma"))) inline void micro_kernel_avx2(Index depth, const float* a,
+                                                                  Index a_row_step, Index a_k_step,
                                                                   const float* b, float alpha,
                                                                   bool first, float* tile,
                                                                   Index ld) {
@@ -130,24 +132,25 @@ __attribute__((target("avx2,fma"))) inline void micro_kernel_avx2(Index depth, c
   __m256 c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps();
   __m256 c40 = _mm256_setzero_ps(), c41 = _mm256_setzero_ps();
   __m256 c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
-  for (Index k = 0; k < depth; ++k, a += 6, b += 16) {
+  const Index r1 = a_row_step, r2 = 2 * r1, r3 = 3 * r1, r4 = 4 * r1, r5 = 5 * r1;
+  for (Index k = 0; k < depth; ++k, a += a_k_step, b += 16) {
     const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
     __m256 x = _mm256_broadcast_ss(a);
     c00 = _mm256_fmadd_ps(x, b0, c00);
     c01 = _mm256_fmadd_ps(x, b1, c01);
-    x = _mm256_broadcast_ss(a + 1);
+    x = _mm256_broadcast_ss(a + r1);
     c10 = _mm256_fmadd_ps(x, b0, c10);
     c11 = _mm256_fmadd_ps(x, b1, c11);
-    x = _mm256_broadcast_ss(a + 2);
+    x = _mm256_broadcast_ss(a + r2);
     c20 = _mm256_fmadd_ps(x, b0, c20);
     c21 = _mm256_fmadd_ps(x, b1, c21);
-    x = _mm256_broadcast_ss(a + 3);
+    x = _mm256_broadcast_ss(a + r3);
     c30 = _mm256_fmadd_ps(x, b0, c30);
     c31 = _mm256_fmadd_ps(x, b1, c31);
-    x = _mm256_broadcast_ss(a + 4);
+    x = _mm256_broadcast_ss(a + r4);
     c40 = _mm256_fmadd_ps(x, b0, c40);
     c41 = _mm256_fmadd_ps(x, b1, c41);
-    x = _mm256_broadcast_ss(a + 5);
+    x = _mm256_broadcast_ss(a + r5);
     c50 = _mm256_fmadd_ps(x, b0, c50);
     c51 = _mm256_fmadd_ps(x, b1, c51);
   }
@@ -171,31 +174,51 @@ inline bool packed_gemm_available() {
 #endif
 }
 
-// dst [rows, cols] (row stride ld) = (first ? 0 : dst) + alpha · A · B over `depth`, from packed
-// panels: A's of kMr rows (k-major, a_stride floats apart), B's of kNr columns (k-major,
-// b_stride floats apart). A partial tile is computed whole into `edge` (kMr x kNr floats) and
-// its part copied, so that every element gets the same arithmetic. Only where
+// The left operand of multiply_panels: panels of kMr rows packed by pack_lhs (k-major, depth ·
+// kMr floats apart), or the rows of a row-major block as they are (row_stride apart), which the
+// flash kernel's query blocks and probability tiles are.
+struct LeftOperand {
+  const float* data;
+  Index row_stride;  // the block's; unused when packed
+  bool packed;
+};
+
+// dst [rows, cols] (row stride ld) = (first ? 0 : dst) + alpha · A · B over `depth`, B as panels
+// of kNr columns (k-major, b_stride floats apart). A partial tile is computed whole into
+// `edge` (kMr x kNr floats) and its part copied, and a row-major A's last rows, fewer than kMr,
+// are packed first, zero-padded: every element gets the same arithmetic. Only where
 // packed_gemm_available().
-inline void multiply_panels(Index rows, Index cols, Index depth, const float* a, Index a_stride,
+inline void multiply_panels(Index rows, Index cols, Index depth, const LeftOperand& a,
                             const float* b, Index b_stride, float alpha, bool first, float* dst,
                             Index ld, float* edge) {
 #ifdef MHA_PACKED_GEMM_X86
   using S = PackedGemmShape;
-  for (Index j = 0; j < cols; j += S::kNr) {
-    const float* b_panel = b + (j / S::kNr) * b_stride;
-    const Index width = std::min(S::kNr, cols - j);
-    for (Index i = 0; i < rows; i += S::kMr) {
-      const float* a_panel = a + (i / S::kMr) * a_stride;
-      const Index height = std::min(S::kMr, rows - i);
+  thread_local std::vector<float, Eigen::aligned_allocator<float>> last_rows;
+  for (Index i = 0; i < rows; i += S::kMr) {
+    const Index height = std::min(S::kMr, rows - i);
+    const float* a_panel = a.packed ? a.data + i * depth : a.data + i * a.row_stride;
+    Index row_step = a.packed ? 1 : a.row_stride, k_step = a.packed ? S::kMr : 1;
+    if (!a.packed && height < S::kMr) {
+      if (static_cast<Index>(last_rows.size()) < S::kMr * depth) {
+        last_rows.resize(static_cast<std::size_t>(S::kMr * depth));
+      }
+      pack_lhs(PackedOperand{a_panel, a.row_stride, 1}, 0, height, 0, depth, last_rows.data());
+      a_panel = last_rows.data();
+      row_step = 1;
+      k_step = S::kMr;
+    }
+    for (Index j = 0; j < cols; j += S::kNr) {
+      const float* b_panel = b + (j / S::kNr) * b_stride;
+      const Index width = std::min(S::kNr, cols - j);
       float* tile = dst + i * ld + j;
       if (height == S::kMr && width == S::kNr) {
-        micro_kernel_avx2(depth, a_panel, b_panel, alpha, first, tile, ld);
+        micro_kernel_avx2(depth, a_panel, row_step, k_step, b_panel, alpha, first, tile, ld);
         continue;
       }
       for (Index r = 0; r < height && !first; ++r) {
         std::copy(tile + r * ld, tile + r * ld + width, edge + r * S::kNr);
       }
-      micro_kernel_avx2(depth, a_panel, b_panel, alpha, first, edge, S::kNr);
+      micro_kernel_avx2(depth, a_panel, row_step, k_step, b_panel, alpha, first, edge, S::kNr);
       for (Index r = 0; r < height; ++r) {
         std::copy(edge + r * S::kNr, edge + r * S::kNr + width, tile + r * ld);
       }
@@ -203,9 +226,8 @@ inline void multiply_panels(Index rows, Index cols, Index depth, const float* a,
   }
 #else
   static_cast<void>(rows), static_cast<void>(cols), static_cast<void>(depth), static_cast<void>(a);
-  static_cast<void>(a_stride), static_cast<void>(b), static_cast<void>(b_stride);
-  static_cast<void>(alpha), static_cast<void>(first), static_cast<void>(dst), static_cast<void>(ld);
-  static_cast<void>(edge);
+  static_cast<void>(b), static_cast<void>(b_stride), static_cast<void>(alpha);
+  static_cast<void>(first), static_cast<void>(dst), static_cast<void>(ld), static_cast<void>(edge);
 #endif
 }
 
@@ -251,7 +273,7 @@ inline void packed_gemm(Index rows, Index cols, Index depth, const PackedOperand
     for (Index i0 = 0; i0 < rows; i0 += S::kMc) {
       const Index mc = std::min(S::kMc, rows - i0);
       pack_lhs(lhs, i0, mc, k0, kc, buffers.lhs.data());
-      multiply_panels(mc, cols, kc, buffers.lhs.data(), kc * S::kMr, buffers.rhs.data(),
+      multiply_panels(mc, cols, kc, LeftOperand{buffers.lhs.data(), 0, true}, buffers.rhs.data(),
                       kc * S::kNr, alpha, k0 == 0 && !accumulate, dst + i0 * ld, ld, buffers.edge);
     }
   }
