@@ -508,9 +508,9 @@ void projection(benchmark::State& state) {
   std::vector<mha::detail::KernelScratch<float>> scratch;
   const Eigen::Map<const mha::Matrix<float>> weight(w.data(), N, E);
   for (auto _ : state) {
-    mha::detail::product_transposed<float, float>(
-        mha::detail::strided(dst.matrix()), mha::detail::const_strided(x.matrix()), weight,
-        mha::detail::Accumulate::no, scratch);
+    mha::detail::product_transposed<float, float>(mha::detail::strided(dst.matrix()),
+                                                  mha::detail::const_strided(x.matrix()), weight,
+                                                  mha::detail::Accumulate::no, scratch);
     benchmark::DoNotOptimize(dst.data());
   }
   set_flops(state, 2.0 * static_cast<double>(L) * static_cast<double>(E) * static_cast<double>(N));
