@@ -179,8 +179,10 @@ CaseResults<T> run_case(const Case& c, std::uint64_t seed,
               << (c.window.alignment == mha::Alignment::bottom_right ? " br" : "") << " globals "
               << c.pattern.global_tokens.size() << " layout block " << c.pattern.block_size
               << " blocks " << c.query_block << "x" << c.key_block << " blocked " << blocked
-              << " dropout " << core.dropout.p << " softcap " << core.softcap
-              << (results.path == mha::detail::FlashPath::small_head ? " small-head kernel" : "");
+              << " dropout " << core.dropout.p << " softcap " << core.softcap << " path "
+              << (results.path == mha::detail::FlashPath::small_head ? "small-head"
+                  : results.path == mha::detail::FlashPath::panels   ? "panels"
+                                                                     : "tiles");
   results.description = description.str();
 
   // The backward passes: the flash one recomputes P tile by tile from logsumexp. Gradient

@@ -113,8 +113,9 @@ TEST_CASE("a product's elements do not depend on how it is cut into slabs", "[ge
 }
 
 TEST_CASE("the layer's threaded products equal the product in double", "[gemm]") {
-  // kernels/gemm.hpp: slabs of dst, each a tile_product, and dot products for a few rows.
-  for (const Index rows : {1, 5, 16, 17, 300}) {
+  // kernels/gemm.hpp: slabs of dst's columns, each a tile_product; of its rows (700 >= N), on
+  // the packed GEMM with op(rhs) packed once for all; and dot products for a few rows.
+  for (const Index rows : {1, 5, 16, 17, 300, 700}) {
     const Index E = 300, N = 520;
     const auto x = grid_matrix(rows, E, 1);
     const auto w = grid_matrix(N, E, 2);
@@ -128,4 +129,39 @@ TEST_CASE("the layer's threaded products equal the product in double", "[gemm]")
     CHECK_TENSORS_CLOSE_TOL(dst, as_tensor(op(x, Operand::as_stored) * op(w, Operand::transposed)),
                             0.0, 0.0);
   }
+}
+
+TEST_CASE("slabs of rows sharing a packed rhs equal one tile_product bit for bit",
+          "[gemm][threads]") {
+  // threaded_product cuts dst [700, 300] into 8 slabs of rows; with the packed GEMM they share
+  // op(rhs), packed once, which must change no element's arithmetic. matrix_product takes rhs as
+  // stored (either lhs), product_transposed a transposed one (x Wᵀ).
+  const Index M = 700, N = 300, K = 600;
+  const auto whole_product = [&](const Tensor<float>& lhs, Operand lhs_op, const Tensor<float>& rhs,
+                                 Operand rhs_op) {
+    Tensor<float> whole({M, N}, 1.0F);
+    mha::detail::tile_product<float>(
+        mha::detail::strided(whole.matrix()), mha::detail::const_strided(lhs.matrix()), lhs_op,
+        mha::detail::const_strided(rhs.matrix()), rhs_op, Accumulate::yes);
+    return whole;
+  };
+  const auto rhs = mha_test::random_tensor<float>({K, N}, 2);
+  for (const Operand lhs_op : {Operand::as_stored, Operand::transposed}) {
+    const auto lhs = lhs_op == Operand::transposed ? mha_test::random_tensor<float>({K, M}, 1)
+                                                   : mha_test::random_tensor<float>({M, K}, 1);
+    Tensor<float> threaded({M, N}, 1.0F);
+    mha::detail::matrix_product<float>(mha::detail::strided(threaded.matrix()),
+                                       mha::detail::const_strided(lhs.matrix()), lhs_op,
+                                       mha::detail::const_strided(rhs.matrix()), Accumulate::yes);
+    INFO("lhs " << (lhs_op == Operand::transposed ? "transposed" : "as stored"));
+    CHECK(threaded.flat() == whole_product(lhs, lhs_op, rhs, Operand::as_stored).flat());
+  }
+  const auto x = mha_test::random_tensor<float>({M, K}, 3);
+  const auto w = mha_test::random_tensor<float>({N, K}, 4);
+  Tensor<float> projected({M, N}, 1.0F);
+  std::vector<mha::detail::KernelScratch<float>> scratch;
+  mha::detail::product_transposed<float, float>(
+      mha::detail::strided(projected.matrix()), mha::detail::const_strided(x.matrix()),
+      Eigen::Map<const mha::Matrix<float>>(w.data(), N, K), Accumulate::yes, scratch);
+  CHECK(projected.flat() == whole_product(x, Operand::as_stored, w, Operand::transposed).flat());
 }

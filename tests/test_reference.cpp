@@ -283,8 +283,9 @@ TEST_CASE("the flash kernel's outputs equal PyTorch's on every reference fixture
 
 // The path of the flash kernel (flash_path) each float fixture takes in the test above, from its
 // shapes: torch's own results then cover the small-head kernel at every head size it takes and
-// the GEMM tiles over several query and key blocks, at a head size that is a whole number of
-// vectors and one that is not (the path_* fixtures of generate.py).
+// the tiles (the packed GEMM's micro-kernel where the machine runs it) over several query and
+// key blocks, at a head size that is a whole number of micro-tiles (32) and one that is not (24,
+// which leaves partial tiles): the path_* fixtures of generate.py.
 TEST_CASE("the float fixtures reach every path of the flash kernel", "[reference][flash]") {
   std::set<mha::Index> small_head_dims, tiles_dims;  // the latter over several query blocks
   int tiles_over_key_blocks = 0;
@@ -304,6 +305,10 @@ TEST_CASE("the float fixtures reach every path of the flash kernel", "[reference
     if (path == mha::detail::FlashPath::small_head) {
       small_head_dims.insert(head_dim);
     } else if (query_len > 64) {
+      // The tiles' products: the packed GEMM's micro-kernel where this machine runs it
+      // (panels), else Eigen's (tiles).
+      CHECK(path == (mha::detail::packed_gemm_available() ? mha::detail::FlashPath::panels
+                                                          : mha::detail::FlashPath::tiles));
       tiles_dims.insert(head_dim);
       if (key_len > 256) ++tiles_over_key_blocks;
     }

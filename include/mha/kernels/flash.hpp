@@ -42,12 +42,19 @@ struct FlashBlocks {
 // Fewer queries than this share too little of a packed head (flash_panels.hpp).
 constexpr Index kPanelsMinQueries = 16;
 
-// The code attention_flash runs: its tiles of Eigen products, or the register kernel of
-// flash_small_head.hpp for small float heads (D = Dv in {4, 8, 12, 16}, at least
-// kSmallHeadMinQueries queries, no softcap or dropout), whose D-deep products cost more than
-// their arithmetic in the tiles (bench/RESULTS.md, 2026-12-01). The kernel dispatches on it and
-// the tests assert which path their cases reach.
-enum class FlashPath { tiles, small_head };
+// The code attention_flash runs:
+//   small_head  the register kernel of flash_small_head.hpp, for small float heads (D = Dv in
+//               {4, 8, 12, 16}, at least kSmallHeadMinQueries queries, no softcap or dropout),
+//               whose D-deep products cost more than their arithmetic in tiles (bench/RESULTS.md,
+//               2026-12-01);
+//   panels      tiles multiplied by the packed GEMM's micro-kernel (packed_gemm.hpp) from a
+//               head's keys and values packed once per thread (flash_panels.hpp), the scores'
+//               exp fused with their sums: float, where packed_gemm_available(), at least
+//               kPanelsMinQueries queries (for a decoding step's few, packing a head would cost
+//               as much as reading it), no softcap (whose capped scores add_scores keeps apart);
+//   tiles       tiles of tile_product's products, everywhere else.
+// The kernel dispatches on it and the tests assert which path their cases reach.
+enum class FlashPath { tiles, small_head, panels };
 
 template <class T, class Stored = T>
 FlashPath flash_path(Index head_dim, Index value_dim, Index query_len,
@@ -57,6 +64,9 @@ FlashPath flash_path(Index head_dim, Index value_dim, Index query_len,
         head_dim == value_dim && small_head_kernel_exists(head_dim) &&
         query_len >= kSmallHeadMinQueries && options.softcap == T(0) && !options.dropout.active()) {
       return FlashPath::small_head;
+    }
+    if (packed_gemm_available() && options.softcap == T(0) && query_len >= kPanelsMinQueries) {
+      return FlashPath::panels;
     }
   }
   return FlashPath::tiles;
@@ -141,13 +151,11 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
       static_cast<double>(batch * heads) * static_cast<double>(query_len) *
       static_cast<double>(key_len) * static_cast<double>(q.cols + value_dim);
 
-  // The tiles' products from packed panels (flash_panels.hpp) where the library's own GEMM runs:
-  // each thread packs a head's keys and values once for all the query blocks it takes of it.
-  // Not with softcap, whose capped scores add_scores keeps apart, nor for a few queries (a
-  // decoding step), for which packing a head would cost as much as reading it.
+  // Tiles from packed panels (see FlashPath): each thread packs a head's keys and values once for
+  // all the query blocks it takes of it.
   constexpr bool kFloat = std::is_same_v<T, float> && std::is_same_v<Stored, float>;
-  const bool panels = kFloat && packed_gemm_available() && options.softcap == T(0) &&
-                      query_len >= kPanelsMinQueries;
+  const bool panels =
+      flash_path<T, Stored>(q.cols, value_dim, query_len, options, blocks) == FlashPath::panels;
 
   // Threads split (batch, head, query block) tasks; each task is computed whole by one thread
   // with the same arithmetic, so results do not depend on the number of threads.

@@ -41,6 +41,51 @@ void dot_products(StridedMap<T> dst, ConstStridedMap<T> lhs, ConstStridedMap<T> 
   }
 }
 
+// threaded_product's slabs of rows on the packed GEMM (packed_gemm.hpp): op(rhs), which every slab
+// multiplies, packed once and shared (its panels split between the threads), rather than once
+// per slab as tile_product would; each slab then multiplies its rows by it, element for element
+// as tile_product does.
+inline void packed_slabs(StridedMap<float> dst, ConstStridedMap<float> lhs, Operand lhs_op,
+                         ConstStridedMap<float> rhs, Operand rhs_op, Accumulate accumulate,
+                         Index width, Index slabs) {
+  using S = PackedGemmShape;
+  const bool lhs_transposed = lhs_op == Operand::transposed;
+  const bool rhs_transposed = rhs_op == Operand::transposed;
+  const Index depth = lhs_transposed ? lhs.rows() : lhs.cols(), cols = dst.cols();
+  const PackedOperand b = rhs_transposed ? PackedOperand{rhs.data(), 1, rhs.outerStride()}
+                                         : PackedOperand{rhs.data(), rhs.outerStride(), 1};
+  // The calling thread's buffer, which its parallel region's threads fill and read.
+  thread_local std::vector<float, Eigen::aligned_allocator<float>> packed;
+  const auto size = static_cast<std::size_t>(depth * packed_width(cols));
+  if (packed.size() < size) packed.resize(size);
+  float* const packed_rhs = packed.data();
+  // Tasks of 8 panels of one slice each.
+  constexpr Index kPanelsPerTask = 8;
+  const Index slices = (depth + S::kKc - 1) / S::kKc;
+  const Index groups = (cols + kPanelsPerTask * S::kNr - 1) / (kPanelsPerTask * S::kNr);
+  [[maybe_unused]] const double work =
+      static_cast<double>(dst.rows()) * static_cast<double>(cols) * static_cast<double>(depth);
+  MHA_OMP_PRAGMA(omp parallel if (max_threads() > 1 && work >= kMinParallelWork)) {
+    MHA_OMP_PRAGMA(omp for schedule(static))
+    for (Index task = 0; task < slices * groups; ++task) {
+      const Index k0 = (task / groups) * S::kKc, kc = std::min(S::kKc, depth - k0);
+      const Index j0 = (task % groups) * kPanelsPerTask * S::kNr;
+      pack_rhs(b, k0, kc, j0, std::min(kPanelsPerTask * S::kNr, cols - j0),
+               packed_rhs + k0 * packed_width(cols) + j0 * kc);
+    }
+    MHA_OMP_PRAGMA(omp for schedule(static))
+    for (Index slab = 0; slab < slabs; ++slab) {
+      const Index start = slab * width, count = std::min(width, dst.rows() - start);
+      const PackedOperand a =
+          lhs_transposed
+              ? PackedOperand{lhs.data() + start, 1, lhs.outerStride()}
+              : PackedOperand{lhs.data() + start * lhs.outerStride(), lhs.outerStride(), 1};
+      multiply_packed_rhs(count, cols, depth, a, packed_rhs, 1.0F, accumulate == Accumulate::yes,
+                          dst.data() + start * dst.outerStride(), dst.outerStride());
+    }
+  }
+}
+
 // dst [M, N] = (or +=) op(lhs) [M, K] · op(rhs) [K, N], dst, lhs and rhs row-major blocks. Each
 // slab is one tile_product (or dot_products, for a few rows): every product of the layer then
 // instantiates the same few Eigen products, compiled once in src/products.cpp.
@@ -70,6 +115,12 @@ void threaded_product(StridedMap<T> dst, ConstStridedMap<T> lhs, Operand lhs_op,
   const Index width =
       std::max(kMinSlab, ((extent + kMaxSlabs - 1) / kMaxSlabs + 7) / 8 * 8);  // multiple of 8
   const Index slabs = (extent + width - 1) / width;
+  if constexpr (std::is_same_v<T, float>) {
+    if (by_rows && slabs > 1 && (lhs_transposed ? lhs.rows() : lhs.cols()) > 0 &&
+        packed_gemm_available()) {
+      return packed_slabs(dst, lhs, lhs_op, rhs, rhs_op, accumulate, width, slabs);
+    }
+  }
   // With more than one thread available, always inside a parallel region, even for one slab:
   // outside one, Eigen would thread a large product itself. With one thread, or below
   // kMinParallelWork (where Eigen does not thread either), no region.

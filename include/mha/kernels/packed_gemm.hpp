@@ -1,7 +1,7 @@
 // The library's own fp32 GEMM: operands packed into panels and multiplied by a register-blocked
-// micro-kernel, chosen at run time from what the CPU has (AVX2 with FMA for now; elsewhere
-// tile_product keeps Eigen's GEMM). Serial: the callers thread it (gemm.hpp's slabs, the
-// attention kernels' tasks).
+// micro-kernel, chosen at run time from what the CPU has (AVX2 with FMA for now, see
+// packed_gemm_available; elsewhere tile_product keeps Eigen's GEMM). Serial: the callers thread
+// it (gemm.hpp's slabs, the attention kernels' tasks).
 //
 // Shapes: dst [M, N] = (or +=) alpha · op(lhs) [M, K] · op(rhs) [K, N], all row-major blocks.
 // Loops (BLIS's order): for each kKc-deep slice of K, pack op(rhs)'s slice [kc, N] into panels of
@@ -164,10 +164,14 @@ __attribute__((target("avx2,fma"))) inline void micro_kernel_avx2(Index depth, c
 }
 #endif
 
-// Whether this CPU runs the packed GEMM (checked once).
+// Whether the packed GEMM runs here (checked once): where the CPU has AVX2 and FMA, and Eigen was
+// not compiled for wider vectors than its 8 floats. A build for AVX-512 (-march=native on such a
+// CPU) keeps Eigen's GEMM, which then ran at 68 % of the FMA peak (Zen 5, 2026-12-01) where an
+// AVX2 kernel could reach at most half of it; an AVX-512 micro-kernel is not written yet.
 inline bool packed_gemm_available() {
 #ifdef MHA_PACKED_GEMM_X86
-  static const bool available = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool available = Eigen::internal::packet_traits<float>::size <= 8 &&
+                                __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return available;
 #else
   return false;
@@ -245,6 +249,35 @@ struct PackedGemmBuffers {
 inline PackedGemmBuffers& packed_gemm_buffers() {
   thread_local PackedGemmBuffers buffers;
   return buffers;
+}
+
+// op(rhs) [depth, cols] packed whole, for products that share it (gemm.hpp's slabs of rows):
+// slice after slice of kKc (the last one shorter), each as panels of kNr columns, slice k0 at
+// k0 · packed_width(cols) floats. pack_rhs fills it, a slice's range of panels at a time.
+inline Index packed_width(Index cols) {
+  return (cols + PackedGemmShape::kNr - 1) / PackedGemmShape::kNr * PackedGemmShape::kNr;
+}
+
+// dst [rows, cols] = (or +=) alpha · op(lhs) · B over depth, B packed whole as above: the same
+// arithmetic as packed_gemm's, element for element.
+inline void multiply_packed_rhs(Index rows, Index cols, Index depth, const PackedOperand& lhs,
+                                const float* packed_rhs, float alpha, bool accumulate, float* dst,
+                                Index ld) {
+  using S = PackedGemmShape;
+  PackedGemmBuffers& buffers = packed_gemm_buffers();
+  const auto lhs_size = static_cast<std::size_t>(
+      packed_size(std::min(S::kMc, rows), S::kMr, std::min(S::kKc, depth)));
+  if (buffers.lhs.size() < lhs_size) buffers.lhs.resize(lhs_size);
+  for (Index k0 = 0; k0 < depth; k0 += S::kKc) {
+    const Index kc = std::min(S::kKc, depth - k0);
+    const float* slice = packed_rhs + k0 * packed_width(cols);
+    for (Index i0 = 0; i0 < rows; i0 += S::kMc) {
+      const Index mc = std::min(S::kMc, rows - i0);
+      pack_lhs(lhs, i0, mc, k0, kc, buffers.lhs.data());
+      multiply_panels(mc, cols, kc, LeftOperand{buffers.lhs.data(), 0, true}, slice, kc * S::kNr,
+                      alpha, k0 == 0 && !accumulate, dst + i0 * ld, ld, buffers.edge);
+    }
+  }
 }
 
 // dst [rows, cols] (row stride ld) = (or +=) alpha · op(lhs) · op(rhs) over depth; see the top of
