@@ -6,8 +6,8 @@
 // threaded_product over kernels/packed_gemm.hpp). Medians of 7 runs, GFLOP/s.
 //
 // Not part of the build (it needs libopenblas-dev and libdnnl-dev, which the library does not):
-//   g++ -std=c++17 -O3 -march=native -fopenmp -Iinclude -isystem /usr/include/eigen3 \
-//       bench/gemm_candidates.cpp -o /tmp/gemm_candidates -lopenblas -ldnnl
+//   g++ -std=c++17 -O3 -march=native -fopenmp -Iinclude -isystem /usr/include/eigen3
+//       bench/gemm_candidates.cpp -o /tmp/gemm_candidates -lopenblas -ldnnl   (one line)
 //   OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 /tmp/gemm_candidates
 // (State OPENBLAS_CORETYPE with the figures: set to Haswell, it gives OpenBLAS its AVX2 kernels on
 // an AVX-512 CPU.)
@@ -57,8 +57,9 @@ int main() {
   const Shape shapes[] = {{2048, 2048, 2048}, {1024, 1024, 1024}, {2048, 512, 512},
                           {2048, 1536, 512},  {128, 2304, 768},   {4096, 512, 512},
                           {2048, 1024, 1024}, {512, 3072, 1024}};
-  std::printf("| M | N | K | Eigen, 8 slabs | OpenBLAS | OpenBLAS, 8 slabs | oneDNN | oneDNN, "
-              "8 slabs | packed (mha) |\n|---|---|---|---|---|---|---|---|---|\n");
+  std::printf(
+      "| M | N | K | Eigen, 8 slabs | OpenBLAS | OpenBLAS, 8 slabs | oneDNN | oneDNN, "
+      "8 slabs | packed (mha) |\n|---|---|---|---|---|---|---|---|---|\n");
   for (const Shape s : shapes) {
     const RowMajor a = RowMajor::Random(s.m, s.k), b = RowMajor::Random(s.n, s.k);
     RowMajor c(s.m, s.n);
@@ -86,16 +87,16 @@ int main() {
     });
     const double dnnl_slabs = median_ms([&] {
       in_slabs(s.m, [&](int first, int count) {
-        dnnl_sgemm('N', 'T', count, s.n, s.k, 1.F, a.data() + first * s.k, s.k, b.data(), s.k,
-                   0.F, c.data() + first * s.n, s.n);
+        dnnl_sgemm('N', 'T', count, s.n, s.k, 1.F, a.data() + first * s.k, s.k, b.data(), s.k, 0.F,
+                   c.data() + first * s.n, s.n);
       });
     });
     std::vector<mha::detail::KernelScratch<float>> scratch;
     const Eigen::Map<const mha::Matrix<float>> weight(b.data(), s.n, s.k);
     const double packed = median_ms([&] {
-      mha::detail::product_transposed<float, float>(
-          mha::detail::strided(c), mha::detail::const_strided(a), weight,
-          mha::detail::Accumulate::no, scratch);
+      mha::detail::product_transposed<float, float>(mha::detail::strided(c),
+                                                    mha::detail::const_strided(a), weight,
+                                                    mha::detail::Accumulate::no, scratch);
     });
     std::printf("| %d | %d | %d | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f |\n", s.m, s.n, s.k,
                 gflop / eigen, gflop / blas, gflop / blas_slabs, gflop / dnnl, gflop / dnnl_slabs,
