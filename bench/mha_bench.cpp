@@ -518,8 +518,9 @@ void projection(benchmark::State& state) {
 
 using Config = std::array<std::int64_t, 4>;  // B, L, E, H
 
-const std::vector<Config> kDefaultConfigs = {
-    {1, 128, 768, 12}, {8, 128, 512, 8}, {1, 1024, 512, 8}, {1, 2048, 512, 8}, {1, 4096, 512, 8}};
+const std::vector<Config> kDefaultConfigs = {{1, 128, 768, 12}, {8, 128, 512, 8},
+                                             {1, 1024, 512, 8}, {1, 2048, 512, 8},
+                                             {1, 4096, 512, 8}, {4, 512, 1024, 16}};
 
 // The default configurations, the head-count sweep (E in {512, 768, 1024}, every H of
 // {1, ..., 64} dividing E, L in {128, 512, 2048}) and the sequence sweep (L = 128 ... 16384 at
