@@ -259,8 +259,10 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
         if (options.dropout.active()) options.dropout.apply(b, h, i0, j0, s);
         if constexpr (kFloat) {
           if (panels) {
-            // acc += p v, the values' rows j0 .. of each packed panel.
+            // acc += p v, the values' rows j0 .. of each packed panel: the tile's keys are the
+            // product's depth.
             const float* values = mine.panels.head_values(v_bh) + j0 * PackedGemmShape::kNr;
+            // NOLINTNEXTLINE(readability-suspicious-call-argument)
             multiply_panels(rows, value_dim, cols, LeftOperand{s.data(), tile.outerStride(), false},
                             values, FlashPanels::value_panel_stride(v_bh), 1.0F, false,
                             acc_blk.data(), acc.outerStride(), packed_gemm_buffers().edge);

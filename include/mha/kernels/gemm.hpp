@@ -45,8 +45,8 @@ void dot_products(StridedMap<T> dst, ConstStridedMap<T> lhs, ConstStridedMap<T> 
 // multiplies, packed once and shared (its panels split between the threads), rather than once
 // per slab as tile_product would; each slab then multiplies its rows by it, element for element
 // as tile_product does.
-inline void packed_slabs(StridedMap<float> dst, ConstStridedMap<float> lhs, Operand lhs_op,
-                         ConstStridedMap<float> rhs, Operand rhs_op, Accumulate accumulate,
+inline void packed_slabs(StridedMap<float> dst, const ConstStridedMap<float>& lhs, Operand lhs_op,
+                         const ConstStridedMap<float>& rhs, Operand rhs_op, Accumulate accumulate,
                          Index width, Index slabs) {
   using S = PackedGemmShape;
   const bool lhs_transposed = lhs_op == Operand::transposed;

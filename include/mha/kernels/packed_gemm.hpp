@@ -14,8 +14,8 @@
 // OpenBLAS and oneDNN ran at 60-75 % (bench/RESULTS.md, 2026-12-02); and the flash kernels'
 // tiles need a micro-kernel of their own.
 //
-// Rounding: each element of dst is alpha times its kc-slice sums, each a chain of FMAs in k
-// order, added to dst one slice after another. Slices start at multiples of kKc from k = 0 and
+// Rounding: each element of dst gets alpha times each of its kc-slice sums (a chain of FMAs in k
+// order) added by one more FMA, slice after slice. Slices start at multiples of kKc from k = 0 and
 // partial tiles are computed whole on zero-padded panels, so an element's arithmetic does not
 // depend on where a product is cut into slabs, nor so on the thread count.
 #pragma once
@@ -93,20 +93,20 @@ inline void pack_rhs(const PackedOperand& rhs, Index k0, Index depth, Index j0, 
   }
 }
 
+// What a platform's branch leaves unused (multiply_panels without x86's micro-kernel).
+template <class... Arguments>
+void arguments_unused(const Arguments&... /*unused*/) {}
+
 #ifdef MHA_PACKED_GEMM_X86
-// out[0, 16) = (first ? 0 : out) + scale · (left, right). (A function rather than a lambda: a
-// lambda would not inherit the caller's target attribute.)
+// out[0, 16) = scale · (left, right) + (first ? 0 : out), each element one fused multiply-add
+// (one rounding; with scale 1, the plain sum). (A function rather than a lambda: a lambda would
+// not inherit the caller's target attribute.)
 __attribute__((target("avx2,fma"))) inline void store_tile_row(float* out, __m256 left,
                                                                __m256 right, __m256 scale,
                                                                bool first) {
-  left = _mm256_mul_ps(scale, left);
-  right = _mm256_mul_ps(scale, right);
-  if (!first) {
-    left = _mm256_add_ps(_mm256_loadu_ps(out), left);
-    right = _mm256_add_ps(_mm256_loadu_ps(out + 8), right);
-  }
-  _mm256_storeu_ps(out, left);
-  _mm256_storeu_ps(out + 8, right);
+  const __m256 zero = _mm256_setzero_ps();
+  _mm256_storeu_ps(out, _mm256_fmadd_ps(scale, left, first ? zero : _mm256_loadu_ps(out)));
+  _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(scale, right, first ? zero : _mm256_loadu_ps(out + 8)));
 }
 
 // tile [kMr, kNr] (row stride ld) = (first ? 0 : tile) + alpha · A · b_panel over `depth`, A's
@@ -229,9 +229,7 @@ inline void multiply_panels(Index rows, Index cols, Index depth, const LeftOpera
     }
   }
 #else
-  static_cast<void>(rows), static_cast<void>(cols), static_cast<void>(depth), static_cast<void>(a);
-  static_cast<void>(b), static_cast<void>(b_stride), static_cast<void>(alpha);
-  static_cast<void>(first), static_cast<void>(dst), static_cast<void>(ld), static_cast<void>(edge);
+  arguments_unused(rows, cols, depth, a, b, b_stride, alpha, first, dst, ld, edge);
 #endif
 }
 
