@@ -47,7 +47,7 @@ TEST_CASE("tile_product equals the product in double for every orientation and s
   };
   // Depths past one slice (256) and two, rows past one packed block (72), columns past a few
   // micro-tiles (16), with remainders of every size.
-  for (int trial = 0; trial < 120; ++trial) {
+  for (std::uint64_t trial = 0; trial < 120; ++trial) {
     const Index M = pick(1, 160), N = pick(1, 70),
                 K = trial % 3 == 0 ? pick(257, 600) : pick(1, 80);
     const Operand lhs_op = random.uniform() < 0.5 ? Operand::as_stored : Operand::transposed;
