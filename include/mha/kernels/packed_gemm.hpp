@@ -10,9 +10,9 @@
 // kMr·kNr sums in registers for the whole slice, the rhs panel (kKc · kNr floats, 16 KiB) in L1
 // and the lhs block (kMc · kKc, 72 KiB) in L2.
 //
-// Why not Eigen's GEMM: on this project's AVX2 machine it ran at 40-50 % of the FMA peak where
-// OpenBLAS and oneDNN ran at 60-75 % (bench/RESULTS.md, 2026-12-02); and the flash kernels'
-// tiles need a micro-kernel of their own.
+// Why not Eigen's GEMM: on the layer's shapes on this project's AVX2 machine it ran at 10-43 % of
+// the FMA peak where OpenBLAS and oneDNN ran at 35-74 %, and this GEMM at 35-72 %
+// (bench/RESULTS.md, 2026-12-02); and the flash kernel's tiles need a micro-kernel of their own.
 //
 // Rounding: each element of dst gets alpha times each of its kc-slice sums (a chain of FMAs in k
 // order) added by one more FMA, slice after slice. Slices start at multiples of kKc from k = 0 and
@@ -24,7 +24,8 @@
 #include <cstddef>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
+// GCC's and clang's target attributes choose the instructions per function.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define MHA_PACKED_GEMM_X86 1
 #endif
