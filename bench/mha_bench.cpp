@@ -15,6 +15,7 @@
 #include <array>
 #include <atomic>
 #include <cerrno>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
@@ -22,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include <mha/kernels/decode.hpp>
 #include <mha/mha.hpp>
 
 #include "ceilings.hpp"
@@ -457,6 +459,57 @@ void decode(benchmark::State& state) {
   set_bytes_read(state, weight_bytes + cache_bytes);
 }
 
+// The attention of one decoding step alone (mha::detail), at sizes whose caches a prompt could not
+// fill in a benchmark's time: B = range(0) sequences of context = range(2) cached tokens, one new
+// query each, H = 16 query heads of D = 128 over H_kv = range(1) key/value heads, the float cache
+// [B, context, H_kv·D] filled with arbitrary values. `batched` runs the decoding kernel
+// (kernels/decode.hpp, what a step runs); otherwise the flash kernel one sequence at a time, as
+// steps did before it. GB_per_s counts the cache's bytes, each read once.
+void decode_attention(benchmark::State& state, bool batched) {
+  const mha::Index B = state.range(0), kv_heads = state.range(1), context = state.range(2);
+  const mha::Index H = 16, D = 128, inner = H * D, width = kv_heads * D;
+  std::vector<float> keys(static_cast<std::size_t>(B * context * width));
+  std::vector<float> values(keys.size());
+  // Arbitrary bounded values, fast to write: gigabytes of normal draws would take minutes.
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    keys[i] = static_cast<float>(i * 2654435761u % 1000) * 1e-3F - 0.5F;
+    values[i] = static_cast<float>(i * 40503u % 1000) * 1e-3F - 0.5F;
+  }
+  const auto queries = random_tensor({B, inner}, 1);
+  mha::Tensor<float> out({B, inner});
+  mha::detail::CoreOptions<float> core;
+  core.scale = 1.0F / std::sqrt(static_cast<float>(D));
+  core.causal = mha::Causal::bottom_right;
+  core.causal_cols = context;
+  std::vector<mha::detail::KernelScratch<float>> scratch;
+  mha::detail::DecodeScratch buffers;
+  std::vector<mha::detail::DecodeSequence<float>> sequences;
+  for (mha::Index b = 0; b < B; ++b) {
+    sequences.push_back({queries.data() + b * inner, out.data() + b * inner,
+                         keys.data() + b * context * width, values.data() + b * context * width, 1,
+                         context});
+  }
+  const mha::detail::DecodeShape shape{H, kv_heads, D, D, inner, inner, width};
+  for (auto _ : state) {
+    if (batched) {
+      mha::detail::decode_attention(sequences, shape, core, scratch, buffers);
+    } else {
+      for (mha::Index b = 0; b < B; ++b) {
+        const mha::detail::HeadLayout<const float> q{queries.data() + b * inner, 0, D, inner, 1, D};
+        const mha::detail::HeadLayout<const float> k{
+            keys.data() + b * context * width, 0, D, width, context, D, H / kv_heads};
+        const mha::detail::HeadLayout<const float> v{
+            values.data() + b * context * width, 0, D, width, context, D, H / kv_heads};
+        const mha::detail::HeadLayout<float> o{out.data() + b * inner, 0, D, inner, 1, D};
+        mha::detail::attention_flash<float>(1, H, q, k, v, o, core, scratch);
+      }
+    }
+    benchmark::DoNotOptimize(out.data());
+  }
+  set_bytes_read(state, 4.0 * 2 * static_cast<double>(B * context * width));
+  state.counters["cache_MiB"] = 8.0 * static_cast<double>(B * context * width) / (1024.0 * 1024.0);
+}
+
 // The same layer (H_kv = range(1)) taking a prompt of range(0) tokens, B = 1: all at once (one
 // decode step of n tokens, "prefill"), or token by token (n steps of one). tokens_per_second
 // compares the two: a prefill step multiplies matrices, a one-token step multiplies vectors and
@@ -635,6 +688,16 @@ BENCHMARK(decode)
     ->Name("decode")
     ->ArgNames({"B", "H_kv", "context"})
     ->ArgsProduct({{1, 8}, {16, 8, 4, 2, 1}, {16, 2048}})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(decode_attention, batched, true)
+    ->Name("decode_attention/batched")
+    ->ArgNames({"B", "H_kv", "context"})
+    ->ArgsProduct({{1, 8, 32}, {16, 4, 1}, {2048, 16384}})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(decode_attention, per_sequence, false)
+    ->Name("decode_attention/per_sequence")
+    ->ArgNames({"B", "H_kv", "context"})
+    ->ArgsProduct({{1, 8, 32}, {16, 4, 1}, {2048, 16384}})
     ->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(prefill, prefill, false)
     ->Name("prefill/all_at_once")

@@ -21,6 +21,7 @@
 #include "mha/io/safetensors_format_impl.hpp"
 #include "mha/kernels/common.hpp"
 #include "mha/kernels/convert.hpp"
+#include "mha/kernels/decode.hpp"
 #include "mha/kernels/flash.hpp"
 #include "mha/kernels/flash_panels.hpp"
 #include "mha/kernels/flash_small_head.hpp"

@@ -23,6 +23,7 @@
 
 #include "mha/errors.hpp"
 #include "mha/kernels/common.hpp"
+#include "mha/kernels/decode.hpp"
 #include "mha/rotary.hpp"
 #include "mha/tensor.hpp"
 
@@ -167,6 +168,9 @@ class KVCache {
   Matrix<Compute> queries_, new_keys_, new_values_, attended_, input_, output_;
   detail::RopeTable<Compute> rope_table_;
   std::vector<detail::KernelScratch<Compute>> kernel_;
+  // The decoding kernel's sequences and buffers (kernels/decode.hpp).
+  std::vector<detail::DecodeSequence<T>> decode_sequences_;
+  detail::DecodeScratch decode_;
 };
 
 }  // namespace mha

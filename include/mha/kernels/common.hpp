@@ -451,7 +451,8 @@ struct KernelScratch {
   Matrix<T> grad_scores;
   Vector<T> row_dot;
   Matrix<T> capped;   // softcap's capped scores, as add_scores leaves them
-  Matrix<T> queries;  // the small-head flash kernel's scaled query block
+  Matrix<T> queries;  // the small-head flash kernel's scaled query block; a decoding task's queries
+  Matrix<T> packed_queries;  // a decoding task's queries as the packed GEMM's panels
   // Talking heads (kernels/talking_heads.hpp) mixes across heads, so it keeps all H heads of one
   // query block at once: logits, probabilities and mixed weights, each [H * rows, S'] (head h's
   // [rows, S'] block at rows h * rows).

@@ -110,15 +110,16 @@ __attribute__((target("avx2,fma"))) inline void store_tile_row(float* out, __m25
   _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(scale, right, first ? zero : _mm256_loadu_ps(out + 8)));
 }
 
-// tile [kMr, kNr] (row stride ld) = (first ? 0 : tile) + alpha · A · b_panel over `depth`, A's
+// tile [kMr, kNr] (row stride ld) = (first ? 0 : tile) + alpha · A · B over `depth`, A's
 // element (r, k) at a[r * a_row_step + k * a_k_step] (a packed panel: steps 1 and kMr; rows of
-// a row-major block: its row stride and 1): 12 accumulators of 8 floats, two rhs registers and
-// one broadcast lhs value, 15 of the 16 AVX registers, two FMAs per broadcast.
+// a row-major block: its row stride and 1), B's row k the kNr floats at b + k * b_k_step (a
+// packed panel: kNr; a row-major block's columns: its row stride): 12 accumulators of 8 floats, two
+// rhs registers and one broadcast lhs value, 15 of the 16 AVX registers, two FMAs per broadcast.
 __attribute__((target("avx2,fma"))) inline void micro_kernel_avx2(Index depth, const float* a,
                                                                   Index a_row_step, Index a_k_step,
-                                                                  const float* b, float alpha,
-                                                                  bool first, float* tile,
-                                                                  Index ld) {
+                                                                  const float* b, Index b_k_step,
+                                                                  float alpha, bool first,
+                                                                  float* tile, Index ld) {
   // The tile's rows (6 lines of dst, a row stride apart, often in the same cache set) are fetched
   // while the sums are formed: reading them cold after the loop cost a fifth of the time.
   if (!first) {
@@ -134,7 +135,7 @@ __attribute__((target("avx2,fma"))) inline void micro_kernel_avx2(Index depth, c
   __m256 c40 = _mm256_setzero_ps(), c41 = _mm256_setzero_ps();
   __m256 c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
   const Index r1 = a_row_step, r2 = 2 * r1, r3 = 3 * r1, r4 = 4 * r1, r5 = 5 * r1;
-  for (Index k = 0; k < depth; ++k, a += a_k_step, b += 16) {
+  for (Index k = 0; k < depth; ++k, a += a_k_step, b += b_k_step) {
     const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
     __m256 x = _mm256_broadcast_ss(a);
     c00 = _mm256_fmadd_ps(x, b0, c00);
@@ -217,13 +218,15 @@ inline void multiply_panels(Index rows, Index cols, Index depth, const LeftOpera
       const Index width = std::min(S::kNr, cols - j);
       float* tile = dst + i * ld + j;
       if (height == S::kMr && width == S::kNr) {
-        micro_kernel_avx2(depth, a_panel, row_step, k_step, b_panel, alpha, first, tile, ld);
+        micro_kernel_avx2(depth, a_panel, row_step, k_step, b_panel, S::kNr, alpha, first, tile,
+                          ld);
         continue;
       }
       for (Index r = 0; r < height && !first; ++r) {
         std::copy(tile + r * ld, tile + r * ld + width, edge + r * S::kNr);
       }
-      micro_kernel_avx2(depth, a_panel, row_step, k_step, b_panel, alpha, first, edge, S::kNr);
+      micro_kernel_avx2(depth, a_panel, row_step, k_step, b_panel, S::kNr, alpha, first, edge,
+                        S::kNr);
       for (Index r = 0; r < height; ++r) {
         std::copy(edge + r * S::kNr, edge + r * S::kNr + width, tile + r * ld);
       }

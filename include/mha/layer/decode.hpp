@@ -7,10 +7,12 @@
 
 #include <cmath>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "mha/compiled.hpp"
 #include "mha/finite.hpp"
+#include "mha/kernels/decode.hpp"
 #include "mha/kv_cache.hpp"
 #include "mha/layer/forward.hpp"
 #include "mha/layer/parameters.hpp"
@@ -69,6 +71,14 @@ ForwardResult<T> Decoding<T>::step(const LayerParameters<T>& parameters,
   cache.attended_.resize(input.rows(), inner);
   cache.attended_.setZero();
 
+  // Sequences of a few new tokens go to the decoding kernel together, in one parallel pass
+  // (kernels/decode.hpp); longer steps (a prompt) and what that kernel does not compute go to
+  // attention() one sequence at a time.
+  bool batched = false;
+  if constexpr (std::is_same_v<Compute, float>) {
+    batched = kernel == Kernel::flash && !options.pattern.active() && decode_kernel_applies(core);
+  }
+  cache.decode_sequences_.clear();
   for (Index b = 0; b < batch; ++b) {
     const Index count = new_tokens.empty() ? steps : new_tokens[static_cast<std::size_t>(b)];
     if (count == 0) continue;
@@ -86,6 +96,16 @@ ForwardResult<T> Decoding<T>::step(const LayerParameters<T>& parameters,
     narrow(values, count * width, cache.value_row(b, first));
     const Index start = cache.start_[static_cast<std::size_t>(b)];
     const Index total_keys = first + count - start;
+    Compute* attended = cache.attended_.data() + b * steps * inner;
+    if constexpr (std::is_same_v<Compute, float>) {
+      if (batched && count < kPanelsMinQueries) {
+        // (advance() below moves no rows: these stay where they are until the kernel has run.)
+        cache.decode_sequences_.push_back({queries, attended, cache.key_row(b, start),
+                                           cache.value_row(b, start), count, total_keys});
+        cache.advance(b, count);
+        continue;
+      }
+    }
     core.causal_cols = total_keys;
     core.pattern =
         checked_pattern(options.pattern, heads, count, total_keys, Alignment::bottom_right);
@@ -93,9 +113,15 @@ ForwardResult<T> Decoding<T>::step(const LayerParameters<T>& parameters,
         kernel, 1, heads, parameters.template head_layout<const Compute>(queries, count, inner),
         parameters.template kv_head_layout<const T>(cache.key_row(b, start), total_keys, width),
         parameters.template kv_head_layout<const T>(cache.value_row(b, start), total_keys, width),
-        parameters.head_layout(cache.attended_.data() + b * steps * inner, count, inner), core,
-        nullptr, cache.kernel_);
+        parameters.head_layout(attended, count, inner), core, nullptr, cache.kernel_);
     cache.advance(b, count);
+  }
+  if constexpr (std::is_same_v<Compute, float>) {
+    if (!cache.decode_sequences_.empty()) {
+      const DecodeShape shape{heads, parameters.num_kv_heads(), head_dim, head_dim, inner, inner,
+                              width};
+      decode_attention(cache.decode_sequences_, shape, core, cache.kernel_, cache.decode_);
+    }
   }
 
   scale_heads(cache.attended_, options.head_gate, head_dim);

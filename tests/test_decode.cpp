@@ -1,0 +1,272 @@
+// The decoding kernel (kernels/decode.hpp), which attends a whole batch of cached sequences in one
+// parallel pass, against the flash kernel run one sequence at a time (the path decode took
+// before it, still taken for prompts) and against the reference kernel in double on the same
+// inputs: sequences of different lengths over several chunks, grouped-query attention on both of
+// its paths (dot products and the packed micro-kernel), a few queries per sequence, windows,
+// ALiBi and softcap, keys and values stored in float, half or bfloat16; and the same results on
+// any number of threads.
+#include <cmath>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "helpers.hpp"
+#include "mha/kernels/decode.hpp"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+using mha::Index;
+using mha::Tensor;
+using mha::detail::CoreOptions;
+using mha::detail::DecodeSequence;
+using mha::detail::DecodeShape;
+using mha::detail::HeadLayout;
+using mha::detail::KernelScratch;
+
+namespace {
+
+struct DecodeCase {
+  std::string name;
+  Index heads, kv_heads, head_dim;
+  std::vector<Index> key_counts;  // per sequence, the new queries' keys included
+  std::vector<Index> query_counts;
+  bool window = false, alibi = false, softcap = false;
+};
+
+std::vector<DecodeCase> cases() {
+  // Key counts around the chunk (240) and sub-block (24) sizes, and a sequence that sits out.
+  const std::vector<Index> lengths{1, 23, 240, 241, 700};
+  return {
+      {"one query head per key/value head, D = 16", 4, 4, 16, lengths, {1, 1, 1, 1, 1}},
+      {"GQA 8/1 (micro-kernel), D = 32, a few queries", 8, 1, 32, lengths, {1, 3, 15, 0, 2}},
+      {"GQA 6/2 (dot products), D = 12, window, ALiBi",
+       6,
+       2,
+       12,
+       lengths,
+       {1, 2, 1, 1, 3},
+       true,
+       true},
+      {"GQA 16/2 (micro-kernel), D = 64, softcap, window",
+       16,
+       2,
+       64,
+       {3, 500, 260},
+       {1, 1, 4},
+       true,
+       false,
+       true},
+      {"multi-query 4/1, D = 20 (value rows not whole panels)", 4, 1, 20, {300, 17}, {2, 1}},
+  };
+}
+
+// Values float holds exactly (quarters, as tests/test_flash.cpp's cases), so the double
+// reference runs on exactly the float inputs.
+template <class T>
+std::vector<T> quarters(Index count, std::uint64_t seed) {
+  mha::Random random(seed);
+  std::vector<T> values(static_cast<std::size_t>(count));
+  for (auto& value : values) value = static_cast<T>(std::round(4 * random.normal()) / 4);
+  return values;
+}
+
+template <class T>
+CoreOptions<T> options_for(const DecodeCase& c, const std::vector<T>& slopes) {
+  CoreOptions<T> options;
+  options.scale = static_cast<T>(0.5);
+  options.causal = mha::Causal::bottom_right;
+  if (c.window) {
+    options.window = mha::Window{37, 0};
+    options.window.alignment = mha::Alignment::bottom_right;
+  }
+  if (c.alibi) {
+    options.alibi_slopes = slopes.data();
+    options.alibi_alignment = mha::Alignment::bottom_right;
+  }
+  if (c.softcap) options.softcap = T(2.5);
+  return options;
+}
+
+// The inputs of one case: per sequence, queries [n, H·D] and keys and values [S, H_kv·D].
+struct Inputs {
+  std::vector<std::vector<float>> queries, keys, values;
+};
+
+Inputs inputs_of(const DecodeCase& c, std::uint64_t seed) {
+  Inputs inputs;
+  for (std::size_t b = 0; b < c.key_counts.size(); ++b) {
+    const Index width = c.kv_heads * c.head_dim, keys = c.key_counts[b];
+    inputs.queries.push_back(quarters<float>(c.query_counts[b] * c.heads * c.head_dim, seed + b));
+    inputs.keys.push_back(quarters<float>(keys * width, seed + 100 + b));
+    inputs.values.push_back(quarters<float>(keys * width, seed + 200 + b));
+  }
+  return inputs;
+}
+
+// The decoding kernel's outputs, one [n, H·D] vector per sequence, keys and values stored as
+// Stored.
+template <class Stored>
+std::vector<std::vector<float>> decode_outputs(const DecodeCase& c, const Inputs& inputs,
+                                               const CoreOptions<float>& options) {
+  std::vector<std::vector<Stored>> keys, values;
+  std::vector<std::vector<float>> outputs;
+  std::vector<DecodeSequence<Stored>> sequences;
+  for (std::size_t b = 0; b < c.key_counts.size(); ++b) {
+    keys.emplace_back(inputs.keys[b].begin(), inputs.keys[b].end());
+    values.emplace_back(inputs.values[b].begin(), inputs.values[b].end());
+    outputs.emplace_back(inputs.queries[b].size(), -1.0F);
+  }
+  for (std::size_t b = 0; b < c.key_counts.size(); ++b) {
+    sequences.push_back({inputs.queries[b].data(), outputs[b].data(), keys[b].data(),
+                         values[b].data(), c.query_counts[b], c.key_counts[b]});
+  }
+  const Index inner = c.heads * c.head_dim, width = c.kv_heads * c.head_dim;
+  const DecodeShape shape{c.heads, c.kv_heads, c.head_dim, c.head_dim, inner, inner, width};
+  std::vector<KernelScratch<float>> scratch;
+  mha::detail::DecodeScratch buffers;
+  mha::detail::decode_attention(sequences, shape, options, scratch, buffers);
+  return outputs;
+}
+
+// Sequence b through attention() alone, in T: the flash kernel (float), or the reference kernel
+// (double, the exact result).
+template <class T>
+std::vector<T> per_sequence(const DecodeCase& c, const Inputs& inputs, std::size_t b,
+                            CoreOptions<T> options) {
+  const Index n = c.query_counts[b], keys = c.key_counts[b], depth = c.head_dim;
+  const Index inner = c.heads * depth, width = c.kv_heads * depth;
+  const std::vector<T> q(inputs.queries[b].begin(), inputs.queries[b].end());
+  const std::vector<T> k(inputs.keys[b].begin(), inputs.keys[b].end());
+  const std::vector<T> v(inputs.values[b].begin(), inputs.values[b].end());
+  std::vector<T> out(static_cast<std::size_t>(n * inner));
+  const Index group = c.heads / c.kv_heads;
+  options.causal_cols = keys;
+  std::vector<KernelScratch<T>> scratch;
+  const auto kernel = std::is_same_v<T, double> ? mha::Kernel::reference : mha::Kernel::flash;
+  mha::detail::attention<T>(
+      kernel, 1, c.heads, HeadLayout<const T>{q.data(), 0, depth, inner, n, depth},
+      HeadLayout<const T>{k.data(), 0, depth, width, keys, depth, group},
+      HeadLayout<const T>{v.data(), 0, depth, width, keys, depth, group},
+      HeadLayout<T>{out.data(), 0, depth, inner, n, depth}, options, nullptr, scratch);
+  return out;
+}
+
+template <class T>
+Tensor<T> as_tensor(const std::vector<T>& values) {
+  Tensor<T> tensor({static_cast<Index>(values.size())});
+  std::copy(values.begin(), values.end(), tensor.data());
+  return tensor;
+}
+
+// The bounds of tests/test_flash.cpp's float kernels against double (measured there).
+constexpr mha_test::RoundingTolerance kOutputRounding{1.2e-6, 5e-7};
+
+}  // namespace
+
+TEST_CASE("the decoding kernel equals the flash kernel one sequence at a time, and double",
+          "[decode]") {
+  std::uint64_t seed = 11;
+  for (const auto& c : cases()) {
+    INFO(c.name);
+    const auto inputs = inputs_of(c, seed += 1000);
+    const auto slopes = mha::alibi_slopes<float>(c.heads);
+    const auto slopes_double = mha::alibi_slopes<double>(c.heads);
+    const auto options = options_for<float>(c, slopes);
+    const DecodeShape shape{c.heads, c.kv_heads, c.head_dim, c.head_dim, 0, 0, 0};
+    // Each case runs the path its name says.
+    const bool panels = c.head_dim % 16 == 0 && c.heads / c.kv_heads >= 8;
+    CHECK(mha::detail::decode_panels(shape, 1) == (panels && mha::detail::packed_gemm_available()));
+    const auto decoded = decode_outputs<float>(c, inputs, options);
+    for (std::size_t b = 0; b < c.key_counts.size(); ++b) {
+      INFO("sequence " << b << ": " << c.query_counts[b] << " queries, " << c.key_counts[b]
+                       << " keys");
+      if (c.query_counts[b] == 0) {
+        CHECK(std::all_of(decoded[b].begin(), decoded[b].end(), [](float x) { return x == -1; }));
+        continue;
+      }
+      const auto exact =
+          as_tensor(per_sequence<double>(c, inputs, b, options_for<double>(c, slopes_double)));
+      const auto flash = as_tensor(per_sequence<float>(c, inputs, b, options));
+      const auto actual = as_tensor(decoded[b]);
+      CHECK_ROUNDING(actual, exact, kOutputRounding);
+      // The bound against the path decode took before: 1e-6 of the output's largest
+      // element.
+      const double largest = static_cast<double>(flash.flat().cwiseAbs().maxCoeff());
+      CHECK_TENSORS_CLOSE_TOL(actual, flash, 0.0, 1e-6 * largest);
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("the decoding kernel reads a 16-bit cache as the flash kernel does",
+                   "[decode][half]", Eigen::half, Eigen::bfloat16) {
+  using Stored = TestType;
+  std::uint64_t seed = 77;
+  for (const auto& c : cases()) {
+    INFO(c.name);
+    auto inputs = inputs_of(c, seed += 1000);
+    // Keys and values as a 16-bit cache holds them, so that the float cache holds the same.
+    for (auto* stored : {&inputs.keys, &inputs.values}) {
+      for (auto& rows : *stored) {
+        for (float& x : rows) x = static_cast<float>(static_cast<Stored>(x));
+      }
+    }
+    const auto slopes = mha::alibi_slopes<float>(c.heads);
+    const auto options = options_for<float>(c, slopes);
+    const auto narrow = decode_outputs<Stored>(c, inputs, options);
+    const auto wide = decode_outputs<float>(c, inputs, options);
+    for (std::size_t b = 0; b < c.key_counts.size(); ++b) {
+      INFO("sequence " << b);
+      CHECK(narrow[b] == wide[b]);  // the same float arithmetic on the same widened values
+    }
+  }
+}
+
+#ifdef _OPENMP
+TEST_CASE("the decoding kernel's results do not depend on the number of threads",
+          "[decode][threads]") {
+  const int threads_before = omp_get_max_threads();
+  for (const auto& c : cases()) {
+    INFO(c.name);
+    const auto inputs = inputs_of(c, 5);
+    const auto slopes = mha::alibi_slopes<float>(c.heads);
+    const auto options = options_for<float>(c, slopes);
+    omp_set_num_threads(1);
+    const auto one = decode_outputs<float>(c, inputs, options);
+    omp_set_num_threads(3);
+    const auto three = decode_outputs<float>(c, inputs, options);
+    CHECK(one == three);
+  }
+  omp_set_num_threads(threads_before);
+}
+#endif
+
+TEST_CASE("a decoding step takes the decoding kernel and gives the full forward's outputs",
+          "[decode]") {
+  // Through the layer: B = 3 sequences, 300 cached tokens, then steps of 1 and of 2 tokens,
+  // against one causal forward over the whole sequences (test_kv_cache.cpp covers the options).
+  mha::MultiHeadAttentionConfig config(64, 8);
+  config.num_kv_heads = 1;
+  config.seed = 4;
+  const mha::MultiHeadAttention<float> layer(config);
+  const auto x = mha_test::random_tensor<float>({3, 303, 64}, 9);
+  auto cache = layer.make_kv_cache(3, 303);
+  const auto options = mha::MultiHeadAttention<float>::decode_options();
+  Tensor<float> decoded(x.shape());
+  Index first = 0;
+  for (const Index count : {300, 1, 2}) {
+    Tensor<float> step({3, count, 64});
+    for (Index b = 0; b < 3; ++b) step[b].matrix() = x[b].matrix().middleRows(first, count);
+    const auto out = layer.decode(step, cache, options);
+    for (Index b = 0; b < 3; ++b)
+      decoded[b].matrix().middleRows(first, count) = out.output[b].matrix();
+    first += count;
+  }
+  mha::ForwardOptions<float> full_options;
+  full_options.is_causal = true;
+  full_options.need_weights = false;
+  const auto full = layer.forward(x, full_options);
+  const double largest = static_cast<double>(full.output.flat().cwiseAbs().maxCoeff());
+  CHECK_TENSORS_CLOSE_TOL(decoded, full.output, 0.0, 1e-5 * largest);
+}
