@@ -243,8 +243,10 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
       const float* head_keys = keys + g * depth;
       const Index r0 = g * group_rows;
       if (panels) {
-        // scoresᵀ [count, group_rows] into a tile, then into the rows' scores.
+        // scoresᵀ [count, group_rows] into a tile, then into the rows' scores: the keys are the
+        // product's rows.
         float* transposed = mine.weight_rows.data();
+        // NOLINTNEXTLINE(readability-suspicious-call-argument)
         multiply_panels(count, group_rows, depth, LeftOperand{head_keys, stride, false},
                         mine.packed_queries.data() + g * query_panels * depth, depth * S::kNr,
                         options.scale, true, transposed, query_panels, packed_gemm_buffers().edge);
@@ -382,7 +384,7 @@ template <class Stored>
 void decode_attention(const std::vector<DecodeSequence<Stored>>& sequences,
                       const DecodeShape& shape, const CoreOptions<float>& options,
                       std::vector<KernelScratch<float>>& scratch, DecodeScratch& buffers) {
-  const Index batch = static_cast<Index>(sequences.size());
+  const auto batch = static_cast<Index>(sequences.size());
   const Index partial_width = kPartialHeader + shape.value_dim;
   const auto chunks_of = [](const DecodeSequence<Stored>& seq) {
     return seq.query_count > 0 ? (seq.key_count + kDecodeChunk - 1) / kDecodeChunk : Index(0);
@@ -391,7 +393,7 @@ void decode_attention(const std::vector<DecodeSequence<Stored>>& sequences,
   buffers.task_begin.assign(static_cast<std::size_t>(batch) + 1, 0);
   buffers.partial_begin.assign(static_cast<std::size_t>(batch) + 1, 0);
   Index max_rows = 0, max_queries = 0;
-  double work = 0;
+  [[maybe_unused]] double work = 0;
   for (Index b = 0; b < batch; ++b) {
     const auto& seq = sequences[static_cast<std::size_t>(b)];
     const auto i = static_cast<std::size_t>(b);

@@ -54,8 +54,8 @@ void dot_products(StridedMap<T> dst, ConstStridedMap<T> lhs, ConstStridedMap<T> 
   // sums[a][b] = lhs row i + a · rows row j + b, for a < count_i, b < count_j.
   const auto block = [&](Index i, Index count_i, Index j, Index count_j) {
     Packet acc[kLhsRows][kRows];
-    const T* w[kRows];
-    const T* x[kLhsRows];
+    const T* w[kRows] = {};
+    const T* x[kLhsRows] = {};
     for (Index b = 0; b < kRows; ++b) {
       w[b] = rows.data() + (j + std::min(b, count_j - 1)) * rows.outerStride();
     }
