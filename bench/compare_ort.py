@@ -130,7 +130,11 @@ def ort_seconds(package, timer, model, config, repeats, threads):
 
 def mha_seconds(binary, config, repeats, threads):
     b, l, e, h = config
-    name = f"forward/auto/B:{b}/L:{l}/E:{e}/H:{h}"
+    return benchmark_seconds(binary, f"forward/auto/B:{b}/L:{l}/E:{e}/H:{h}", repeats, threads)
+
+
+def benchmark_seconds(binary, name, repeats, threads):
+    """mha_bench's median seconds of the benchmark `name` over `repeats` repetitions, and its context."""
     out = subprocess.run([binary, f"--benchmark_filter=^{name}$", f"--benchmark_repetitions={repeats}",
                           "--benchmark_report_aggregates_only=true", "--benchmark_format=json"],
                          check=True, capture_output=True, text=True,

@@ -60,7 +60,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import compare_ort  # noqa: E402  (its ort_package)
+import compare_ort  # noqa: E402  (its ort_package and benchmark_seconds)
 
 E, H = 2048, 16
 DEFAULT_CONFIGS = [(b, k, 2048) for b in (1, 8) for k in (16, 4, 1)]
@@ -267,17 +267,8 @@ def ort_seconds(package, timer, model, config, cache, runs, threads):
 def mha_seconds(binary, config, repeats, threads):
     """mha_bench's median seconds of decode/B:<b>/H_kv:<k>/context:<c>, and its context."""
     b, h_kv, context = config
-    name = f"decode/B:{b}/H_kv:{h_kv}/context:{context}"
-    out = subprocess.run([binary, f"--benchmark_filter=^{name}$", f"--benchmark_repetitions={repeats}",
-                          "--benchmark_report_aggregates_only=true", "--benchmark_format=json"],
-                         check=True, capture_output=True, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": str(threads)})
-    data = json.loads(out.stdout)
-    for bench in data["benchmarks"]:
-        if bench.get("aggregate_name") == "median":
-            scale = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}[bench["time_unit"]]
-            return bench["real_time"] * scale, data["context"]
-    fail(f"mha_bench has no benchmark {name} (add the configuration to bench/mha_bench.cpp)")
+    return compare_ort.benchmark_seconds(binary, f"decode/B:{b}/H_kv:{h_kv}/context:{context}",
+                                         repeats, threads)
 
 
 def main(argv=None):

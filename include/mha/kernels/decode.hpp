@@ -2,17 +2,17 @@
 // pass. Sequence b brings n_b new queries (one token, or a few: a draft to verify) and attends to
 // its S_b cached keys and values, bottom-right aligned.
 //
-// The work is cut into tasks of (sequence, key/value head, chunk of kDecodeChunk cached keys). A
-// task reads its chunk's keys and values once for all G = H / H_kv query heads that share them
-// (grouped-query attention), each with its n_b queries: G·n_b rows. For each row it leaves the
-// chunk's partial softmax state: the largest score m, l = Σ exp(s - m), and acc = Σ exp(s - m) v,
-// not yet divided. A second pass merges each row's chunks in order (flash-decoding's
-// log-sum-exp merge):
+// The work is cut into tasks of (sequence, chunk of kDecodeChunk cached keys), every key/value
+// head of the chunk in one task. A task reads the chunk's keys and then its values once, a
+// sub-block of whole cache rows at a time, and each key/value head's G = H / H_kv query heads
+// (grouped-query attention), each with the sequence's n_b queries, use its part while it is in
+// cache: H·n_b rows. For each row the task leaves the chunk's partial softmax state: the largest
+// score m, l = Σ exp(s - m), and acc = Σ exp(s - m) v, not yet divided. A second pass merges each
+// row's chunks in order (flash-decoding's log-sum-exp merge):
 //   M = max_c m_c,   l = Σ_c l_c exp(m_c - M),   out = Σ_c acc_c exp(m_c - M) / l.
 // Chunks start at fixed multiples of kDecodeChunk keys whatever the thread count: one long
-// sequence with one key/value head still keeps every thread busy, and each task and each merge
-// is computed by one thread with the same arithmetic, so results do not depend on the number of
-// threads.
+// sequence still keeps every thread busy, and each task and each merge is computed by one thread
+// with the same arithmetic, so results do not depend on the number of threads.
 //
 // Shapes: sequence b's queries are [n_b, H·D] and its output [n_b, H·Dv], rows query_stride and
 // out_stride apart; its keys [S_b, H_kv·D] and values [S_b, H_kv·Dv] (Stored: float, or a 16-bit
