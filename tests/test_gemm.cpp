@@ -46,9 +46,10 @@ TEST_CASE("tile_product equals the product in double for every orientation and s
     return low + static_cast<Index>(random.uniform() * static_cast<double>(high - low + 1));
   };
   // Depths past one slice (256) and two, rows past one packed block (72), columns past a few
-  // micro-tiles (16), with remainders of every size.
+  // micro-tiles (16) and past the eight panels pack_rhs copies at once, with remainders of every
+  // size.
   for (std::uint64_t trial = 0; trial < 120; ++trial) {
-    const Index M = pick(1, 160), N = pick(1, 70),
+    const Index M = pick(1, 160), N = trial % 4 == 1 ? pick(129, 300) : pick(1, 70),
                 K = trial % 3 == 0 ? pick(257, 600) : pick(1, 80);
     const Operand lhs_op = random.uniform() < 0.5 ? Operand::as_stored : Operand::transposed;
     const Operand rhs_op = random.uniform() < 0.5 ? Operand::as_stored : Operand::transposed;

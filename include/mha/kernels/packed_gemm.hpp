@@ -50,45 +50,146 @@ struct PackedOperand {
   float at(Index i, Index j) const { return data[i * row_step + j * col_step]; }
 };
 
+#ifdef MHA_PACKED_GEMM_X86
+// rows[c][k] becomes rows[k][c] for c, k < 8: the unpack, shuffle and lane-swap network.
+__attribute__((target("avx2"))) inline void transpose_8x8(__m256 (&rows)[8]) {
+  __m256 pairs[8];  // rows 2i and 2i + 1 interleaved, within each 128-bit lane
+  for (Index i = 0; i < 4; ++i) {
+    pairs[2 * i] = _mm256_unpacklo_ps(rows[2 * i], rows[2 * i + 1]);
+    pairs[2 * i + 1] = _mm256_unpackhi_ps(rows[2 * i], rows[2 * i + 1]);
+  }
+  __m256 quads[8];  // columns k and k + 4 of four rows: rows 0-3 in quads[0-3], rows 4-7 in [4-7]
+  for (Index half = 0; half < 2; ++half) {
+    const __m256* p = pairs + 4 * half;
+    quads[4 * half + 0] = _mm256_shuffle_ps(p[0], p[2], 0x44);
+    quads[4 * half + 1] = _mm256_shuffle_ps(p[0], p[2], 0xEE);
+    quads[4 * half + 2] = _mm256_shuffle_ps(p[1], p[3], 0x44);
+    quads[4 * half + 3] = _mm256_shuffle_ps(p[1], p[3], 0xEE);
+  }
+  for (Index k = 0; k < 4; ++k) {
+    rows[k] = _mm256_permute2f128_ps(quads[k], quads[k + 4], 0x20);
+    rows[k + 4] = _mm256_permute2f128_ps(quads[k], quads[k + 4], 0x31);
+  }
+}
+
+// dst[k * dst_stride + c] = src[c * src_stride + k] for c, k < 8.
+__attribute__((target("avx2"))) inline void transpose_block_8x8(const float* src, Index src_stride,
+                                                                float* dst, Index dst_stride) {
+  __m256 rows[8];
+  for (Index c = 0; c < 8; ++c) rows[c] = _mm256_loadu_ps(src + c * src_stride);
+  transpose_8x8(rows);
+  for (Index k = 0; k < 8; ++k) _mm256_storeu_ps(dst + k * dst_stride, rows[k]);
+}
+
+// packed[k * 6 + r] = src[r * src_stride + k] for r < 6, k < 8, and two more floats written
+// after them (packed[48], packed[49]), which the caller overwrites next: each step's six values
+// are stored as a whole register, the next step's store covering the two extra lanes.
+__attribute__((target("avx2"))) inline void pack_six_rows(const float* src, Index src_stride,
+                                                          float* packed) {
+  __m256 rows[8];
+  for (Index r = 0; r < 6; ++r) rows[r] = _mm256_loadu_ps(src + r * src_stride);
+  rows[6] = rows[7] = _mm256_setzero_ps();
+  transpose_8x8(rows);
+  for (Index k = 0; k < 8; ++k) _mm256_storeu_ps(packed + k * 6, rows[k]);
+}
+#endif
+
+// Whether the CPU runs the AVX2 packing and micro-kernel (checked once).
+inline bool cpu_has_avx2_fma() {
+#ifdef MHA_PACKED_GEMM_X86
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+#else
+  return false;
+#endif
+}
+
 // Rows [i0, i0 + rows) and depth [k0, k0 + depth) of op(lhs) into panels of kMr rows, each
 // depth x kMr (k-major), zero-padded to whole panels.
 inline void pack_lhs(const PackedOperand& lhs, Index i0, Index rows, Index k0, Index depth,
                      float* packed) {
   constexpr Index mr = PackedGemmShape::kMr;
-  for (Index p = 0; p < rows; p += mr) {
+  static_assert(mr == 6, "pack_six_rows packs panels of six rows");
+  for (Index p = 0; p < rows; p += mr, packed += depth * mr) {
     const Index height = std::min(mr, rows - p);
-    for (Index k = 0; k < depth; ++k) {
+    Index k = 0;
+#ifdef MHA_PACKED_GEMM_X86
+    // Rows contiguous in k (the projections' inputs): eight steps at a time, transposed in
+    // registers (scalar, 6 % of a 2048 x 512 x 512 product). A block's two extra floats fall on
+    // the next block or panel, written after it, so the last block of the last panel stays scalar.
+    if (height == mr && lhs.col_step == 1 && cpu_has_avx2_fma()) {
+      const bool panel_follows = p + mr < rows;
+      for (; k + 8 <= depth && (k + 8 < depth || panel_follows); k += 8) {
+        pack_six_rows(&lhs.data[(i0 + p) * lhs.row_step + k0 + k], lhs.row_step, packed + k * mr);
+      }
+    }
+#endif
+    for (; k < depth; ++k) {
       Index r = 0;
-      for (; r < height; ++r) packed[r] = lhs.at(i0 + p + r, k0 + k);
-      for (; r < mr; ++r) packed[r] = 0.0F;
-      packed += mr;
+      for (; r < height; ++r) packed[k * mr + r] = lhs.at(i0 + p + r, k0 + k);
+      for (; r < mr; ++r) packed[k * mr + r] = 0.0F;
+    }
+  }
+}
+
+// One panel of kNr columns of a transposed rhs (x Wᵀ): column c of op(rhs) is `columns + c ·
+// column_step`, contiguous in k, for c < width; packed[k · kNr + c], zero for c >= width. Whole
+// 8 x 8 blocks are transposed in registers: read scalar by scalar, 2304 x 768 took 2.6 ms, half
+// the time of the product it was packed for.
+inline void pack_contiguous_columns(const float* columns, Index column_step, Index depth,
+                                    Index width, float* packed) {
+  constexpr Index nr = PackedGemmShape::kNr;
+  for (Index c0 = 0; c0 < nr; c0 += 8) {
+    Index k = 0;
+#ifdef MHA_PACKED_GEMM_X86
+    if (c0 + 8 <= width && cpu_has_avx2_fma()) {
+      for (; k + 8 <= depth; k += 8) {
+        transpose_block_8x8(columns + c0 * column_step + k, column_step, packed + k * nr + c0, nr);
+      }
+    }
+#endif
+    for (Index c = c0; c < c0 + 8; ++c) {
+      for (Index kk = k; kk < depth; ++kk) {
+        packed[kk * nr + c] = c < width ? columns[c * column_step + kk] : 0.0F;
+      }
     }
   }
 }
 
 // Depth [k0, k0 + depth) and columns [j0, j0 + cols) of op(rhs) into panels of kNr columns,
-// each depth x kNr (k-major), zero-padded to whole panels. A row of op(rhs) that is contiguous in
-// memory (rhs as stored) is copied as such.
+// each depth x kNr (k-major), zero-padded to whole panels.
 inline void pack_rhs(const PackedOperand& rhs, Index k0, Index depth, Index j0, Index cols,
                      float* packed) {
   constexpr Index nr = PackedGemmShape::kNr;
+  if (rhs.col_step == 1) {
+    // Rows of op(rhs) contiguous (rhs as stored): each row read along its length once, for up to
+    // eight panels at a time. (Panel by panel, a row's 64 bytes at a time, every read fell on
+    // another row: 256 pages per panel.)
+    constexpr Index kPanelsAtOnce = 8;
+    for (Index p0 = 0; p0 < cols; p0 += kPanelsAtOnce * nr) {
+      const Index group_end = std::min(cols, p0 + kPanelsAtOnce * nr);
+      for (Index k = 0; k < depth; ++k) {
+        const float* row = rhs.data + (k0 + k) * rhs.row_step + j0;
+        for (Index p = p0; p < group_end; p += nr) {
+          const Index width = std::min(nr, cols - p);
+          float* out = packed + p * depth + k * nr;
+          std::copy(row + p, row + p + width, out);
+          std::fill(out + width, out + nr, 0.0F);
+        }
+      }
+    }
+    return;
+  }
   for (Index p = 0; p < cols; p += nr, packed += depth * nr) {
     const Index width = std::min(nr, cols - p);
-    if (rhs.col_step == 1) {
+    const float* columns = rhs.data + (j0 + p) * rhs.col_step + k0 * rhs.row_step;
+    if (rhs.row_step == 1) {
+      pack_contiguous_columns(columns, rhs.col_step, depth, width, packed);
+      continue;
+    }
+    for (Index c = 0; c < nr; ++c) {
       for (Index k = 0; k < depth; ++k) {
-        const float* row = rhs.data + (k0 + k) * rhs.row_step + j0 + p;
-        std::copy(row, row + width, packed + k * nr);
-        std::fill(packed + k * nr + width, packed + (k + 1) * nr, 0.0F);
-      }
-    } else {
-      // A transposed rhs (x Wᵀ): each column of op(rhs) is a row of W, read along its length.
-      for (Index c = 0; c < nr; ++c) {
-        if (c < width) {
-          const float* column = rhs.data + (j0 + p + c) * rhs.col_step + k0 * rhs.row_step;
-          for (Index k = 0; k < depth; ++k) packed[k * nr + c] = column[k * rhs.row_step];
-        } else {
-          for (Index k = 0; k < depth; ++k) packed[k * nr + c] = 0.0F;
-        }
+        packed[k * nr + c] = c < width ? columns[c * rhs.col_step + k * rhs.row_step] : 0.0F;
       }
     }
   }
@@ -172,8 +273,8 @@ __attribute__((target("avx2,fma"))) inline void micro_kernel_avx2(Index depth, c
 // AVX2 kernel could reach at most half of it; an AVX-512 micro-kernel is not written yet.
 inline bool packed_gemm_available() {
 #ifdef MHA_PACKED_GEMM_X86
-  static const bool available = Eigen::internal::packet_traits<float>::size <= 8 &&
-                                __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool available =
+      Eigen::internal::packet_traits<float>::size <= 8 && cpu_has_avx2_fma();
   return available;
 #else
   return false;
@@ -200,35 +301,47 @@ inline void multiply_panels(Index rows, Index cols, Index depth, const LeftOpera
 #ifdef MHA_PACKED_GEMM_X86
   using S = PackedGemmShape;
   thread_local std::vector<float, Eigen::aligned_allocator<float>> last_rows;
-  for (Index i = 0; i < rows; i += S::kMr) {
-    const Index height = std::min(S::kMr, rows - i);
-    const float* a_panel = a.packed ? a.data + i * depth : a.data + i * a.row_stride;
-    Index row_step = a.packed ? 1 : a.row_stride, k_step = a.packed ? S::kMr : 1;
-    if (!a.packed && height < S::kMr) {
-      if (static_cast<Index>(last_rows.size()) < S::kMr * depth) {
-        last_rows.resize(static_cast<std::size_t>(S::kMr * depth));
+  // Row panels outside, column panels inside: A's panel (6 KiB at kKc) stays in L1 and B's
+  // panels stream past it from L2. BLIS's order (B's panel held in L1, A's panels streamed) ran
+  // at 70-81 % of the one-thread peak against 87-100 % for this one on a 72 x 256 block of A and
+  // 16 to 2048 columns (AVX2 Zen 3, 2026-12-02): the six broadcasts a step takes from a streamed
+  // panel wait more than B's two full-width loads do. B is taken a chunk of at most 256 KiB at a
+  // time, which every row panel passes over while it is in L2; the whole of a wider B would be
+  // read again from L3 or memory for each row panel.
+  constexpr Index kChunkFloats = Index{1} << 16;
+  const Index chunk = std::max(S::kNr, kChunkFloats / std::max<Index>(depth, 1) / S::kNr * S::kNr);
+  for (Index j0 = 0; j0 < cols; j0 += chunk) {
+    const Index chunk_end = std::min(cols, j0 + chunk);
+    for (Index i = 0; i < rows; i += S::kMr) {
+      const Index height = std::min(S::kMr, rows - i);
+      const float* a_panel = a.packed ? a.data + i * depth : a.data + i * a.row_stride;
+      Index row_step = a.packed ? 1 : a.row_stride, k_step = a.packed ? S::kMr : 1;
+      if (!a.packed && height < S::kMr) {
+        if (static_cast<Index>(last_rows.size()) < S::kMr * depth) {
+          last_rows.resize(static_cast<std::size_t>(S::kMr * depth));
+        }
+        pack_lhs(PackedOperand{a_panel, a.row_stride, 1}, 0, height, 0, depth, last_rows.data());
+        a_panel = last_rows.data();
+        row_step = 1;
+        k_step = S::kMr;
       }
-      pack_lhs(PackedOperand{a_panel, a.row_stride, 1}, 0, height, 0, depth, last_rows.data());
-      a_panel = last_rows.data();
-      row_step = 1;
-      k_step = S::kMr;
-    }
-    for (Index j = 0; j < cols; j += S::kNr) {
-      const float* b_panel = b + (j / S::kNr) * b_stride;
-      const Index width = std::min(S::kNr, cols - j);
-      float* tile = dst + i * ld + j;
-      if (height == S::kMr && width == S::kNr) {
-        micro_kernel_avx2(depth, a_panel, row_step, k_step, b_panel, S::kNr, alpha, first, tile,
-                          ld);
-        continue;
-      }
-      for (Index r = 0; r < height && !first; ++r) {
-        std::copy(tile + r * ld, tile + r * ld + width, edge + r * S::kNr);
-      }
-      micro_kernel_avx2(depth, a_panel, row_step, k_step, b_panel, S::kNr, alpha, first, edge,
-                        S::kNr);
-      for (Index r = 0; r < height; ++r) {
-        std::copy(edge + r * S::kNr, edge + r * S::kNr + width, tile + r * ld);
+      for (Index j = j0; j < chunk_end; j += S::kNr) {
+        const float* b_panel = b + (j / S::kNr) * b_stride;
+        const Index width = std::min(S::kNr, cols - j);
+        float* tile = dst + i * ld + j;
+        if (height == S::kMr && width == S::kNr) {
+          micro_kernel_avx2(depth, a_panel, row_step, k_step, b_panel, S::kNr, alpha, first, tile,
+                            ld);
+          continue;
+        }
+        for (Index r = 0; r < height && !first; ++r) {
+          std::copy(tile + r * ld, tile + r * ld + width, edge + r * S::kNr);
+        }
+        micro_kernel_avx2(depth, a_panel, row_step, k_step, b_panel, S::kNr, alpha, first, edge,
+                          S::kNr);
+        for (Index r = 0; r < height; ++r) {
+          std::copy(edge + r * S::kNr, edge + r * S::kNr + width, tile + r * ld);
+        }
       }
     }
   }
