@@ -109,6 +109,7 @@ struct CaseResults {
   Tensor<T> reference, flash, logsumexp;
   Tensor<T> reference_grads[3], flash_grads[3];
   mha::detail::FlashPath path = mha::detail::FlashPath::tiles;
+  mha::detail::FlashPath backward_path = mha::detail::FlashPath::tiles;
   std::string description;
 };
 
@@ -157,6 +158,7 @@ CaseResults<T> run_case(const Case& c, std::uint64_t seed,
   CaseResults<T> results;
   const mha::detail::FlashBlocks blocks{c.query_block, c.key_block, c.small_heads};
   results.path = mha::detail::flash_path<T>(c.head_dim, c.value_dim, c.query_len, core, blocks);
+  results.backward_path = mha::detail::flash_backward_path(core);
   results.reference = Tensor<T>({c.batch, c.heads, c.query_len, c.value_dim});
   results.flash = Tensor<T>(results.reference.shape(), T(99));  // every row is written
   results.logsumexp = Tensor<T>({c.batch, c.heads, c.query_len});
@@ -186,7 +188,9 @@ CaseResults<T> run_case(const Case& c, std::uint64_t seed,
               << " dropout " << core.dropout.p << " softcap " << core.softcap << " path "
               << (results.path == mha::detail::FlashPath::small_head ? "small-head"
                   : results.path == mha::detail::FlashPath::panels   ? "panels"
-                                                                     : "tiles");
+                                                                     : "tiles")
+              << " backward "
+              << (results.backward_path == mha::detail::FlashPath::panels ? "panels" : "tiles");
   results.description = description.str();
 
   // The backward passes: the flash one recomputes P tile by tile from logsumexp. Gradient
@@ -233,11 +237,14 @@ constexpr mha_test::RoundingTolerance kGradientRounding{2.5e-6, 1.2e-6};
 
 // Runs one case in T and checks the flash kernel against the reference kernel: in float, each
 // against the same case computed in double (exact_scratch's); in double, against each other.
-// Returns the path the flash kernel took.
+// Returns the paths the flash kernel took.
+struct Paths {
+  mha::detail::FlashPath forward, backward;
+};
 template <class T>
-mha::detail::FlashPath check_case(const Case& c, std::uint64_t seed,
-                                  std::vector<mha::detail::KernelScratch<T>>& scratch,
-                                  std::vector<mha::detail::KernelScratch<double>>& exact_scratch) {
+Paths check_case(const Case& c, std::uint64_t seed,
+                 std::vector<mha::detail::KernelScratch<T>>& scratch,
+                 std::vector<mha::detail::KernelScratch<double>>& exact_scratch) {
   const CaseResults<T> results = run_case<T>(c, seed, scratch);
   INFO(results.description);
   REQUIRE(results.flash.flat().allFinite());
@@ -283,7 +290,7 @@ mha::detail::FlashPath check_case(const Case& c, std::uint64_t seed,
       CHECK_TENSORS_CLOSE_TOL(results.flash_grads[g], expected, mha_test::Tolerance<T>::rtol, atol);
     }
   }
-  return results.path;
+  return {results.path, results.backward_path};
 }
 
 // sdpa with `options` (window, pattern, causal) against sdpa with `written`, the mask they
@@ -395,7 +402,8 @@ TEST_CASE("the small-head flash kernel equals reference for random options", "[f
     c.small_heads = true;
     c.options_allowed = trial % 4 == 3;
     const auto path =
-        check_case<float>(c, 5000 + static_cast<std::uint64_t>(trial), scratch, exact_scratch);
+        check_case<float>(c, 5000 + static_cast<std::uint64_t>(trial), scratch, exact_scratch)
+            .forward;
     const bool eligible = c.query_len >= mha::detail::kSmallHeadMinQueries;
     if (!c.options_allowed && eligible) {
       INFO("trial " << trial << ": D " << c.head_dim << ", L " << c.query_len);
@@ -412,6 +420,45 @@ TEST_CASE("the small-head flash kernel equals reference for random options", "[f
     CHECK(small_head_runs[d] >= 5);
   }
   CHECK(fallbacks >= 3);
+}
+
+// The flash kernels at the layer's block sizes (64 queries, 128 keys) and head sizes that fill
+// several of the micro-kernel's panels, with partial ones: the forward's and the backward's
+// products on packed panels (float, where the CPU has the packed GEMM; softcap keeps tile_product)
+// against the same case in double, with masks, causal masking, windows and patterns.
+TEST_CASE("the flash kernels on packed panels equal the product in double", "[flash][panels]") {
+  mha::Random random(8192);
+  const auto pick = [&](Index low, Index high) {
+    return low + static_cast<Index>(random.uniform() * static_cast<double>(high - low + 1));
+  };
+  const Index head_dims[] = {20, 32, 64};
+  std::vector<mha::detail::KernelScratch<float>> scratch;
+  std::vector<mha::detail::KernelScratch<double>> exact_scratch;
+  int panel_runs[2] = {}, tile_runs = 0;
+  for (int trial = 0; trial < 24; ++trial) {
+    Case c{};
+    c.batch = pick(1, 2);
+    c.heads = pick(1, 2);
+    c.query_len = pick(16, 200);
+    c.key_len = pick(1, 300);
+    c.extra_keys = pick(0, 2);
+    c.head_dim = head_dims[pick(0, 2)];
+    c.value_dim = trial % 3 == 0 ? head_dims[pick(0, 2)] : c.head_dim;
+    randomise_options(c, random, 0.3, 150, 0.2);
+    c.query_block = 64;
+    c.key_block = 128;
+    c.options_allowed = trial % 3 == 2;
+    const Paths paths =
+        check_case<float>(c, 7000 + static_cast<std::uint64_t>(trial), scratch, exact_scratch);
+    panel_runs[0] += paths.forward == mha::detail::FlashPath::panels ? 1 : 0;
+    panel_runs[1] += paths.backward == mha::detail::FlashPath::panels ? 1 : 0;
+    tile_runs += paths.backward == mha::detail::FlashPath::tiles ? 1 : 0;
+  }
+  if (mha::detail::packed_gemm_available()) {
+    CHECK(panel_runs[0] >= 12);
+    CHECK(panel_runs[1] >= 12);
+    CHECK(tile_runs >= 1);  // softcap
+  }
 }
 
 // The small-head kernel's own exp (exp_shifted), against exp in double over every multiple of

@@ -28,16 +28,21 @@
 
 namespace mha::detail {
 
-// Query and key block sizes. A [64, 256] float tile is 64 KiB: with the q, k and v blocks it
-// stays in the 1 MiB L2 for D up to 128. (PyTorch's CPU flash kernel uses kv blocks of 512 and
-// query blocks of 32 to 256.)
+// Query and key block sizes. A [96, 256] float tile is 96 KiB: with the q, k and v blocks it
+// stays in a 512 KiB L2 for D up to 128. (PyTorch's CPU flash kernel uses kv blocks of 512 and
+// query blocks of 32 to 256.) Query blocks are whole panels of the micro-kernel's 6 rows, and the
+// backward's key blocks of 6 and of 16 (a tile of 64 rows left a panel of 4, computed whole and
+// packed apart): the forward at L = 2048, D = 64 ran 8-9 % faster at 96 x 256 than at 64 x 256,
+// the backward 8-11 % at 96 x 192 than at 64 x 128 (medians of 11 alternating runs, AVX2 Zen 3,
+// 2026-12-02).
 // small_heads lets heads that attention_flash_small_head handles take it (whatever the block
 // sizes, which it chooses itself); the tests turn it off to run these tiles at every head size.
 struct FlashBlocks {
-  Index query = 64;
+  Index query = 96;
   Index key = 256;
   bool small_heads = true;
 };
+constexpr FlashBlocks kBackwardBlocks{96, 192};
 
 // Fewer queries than this share too little of a packed head (flash_panels.hpp).
 constexpr Index kPanelsMinQueries = 16;
@@ -68,6 +73,17 @@ FlashPath flash_path(Index head_dim, Index value_dim, Index query_len,
     if (packed_gemm_available() && options.softcap == T(0) && query_len >= kPanelsMinQueries) {
       return FlashPath::panels;
     }
+  }
+  return FlashPath::tiles;
+}
+
+// The backward's tiles: multiplied by the packed GEMM's micro-kernel from panels packed once per
+// head (FlashPath::panels) for float where packed_gemm_available() and without softcap (as the
+// forward), else by tile_product (FlashPath::tiles), which packs both operands of every product.
+template <class T>
+FlashPath flash_backward_path(const CoreOptions<T>& options) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (packed_gemm_available() && options.softcap == T(0)) return FlashPath::panels;
   }
   return FlashPath::tiles;
 }
@@ -210,13 +226,13 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
           if (panels) {
             // s = (masks +) scale q kᵀ, the keys' panels from the packed head where the block
             // starts at one of its panels.
-            constexpr Index nr = PackedGemmShape::kNr;
-            const float* keys = j0 % nr == 0 ? mine.panels.head_keys(k_bh) + j0 * k.cols
-                                             : mine.panels.block_keys(k_bh, j0, cols);
+            const float* keys = FlashPanels::transposed_block(
+                mine.panels.keys, mine.panels.block_keys, k_bh, j0, cols);
             const LeftOperand queries{q_bh.data() + i0 * q_bh.outerStride(), q_bh.outerStride(),
                                       false};
-            multiply_panels(rows, cols, k.cols, queries, keys, k.cols * nr, options.scale,
-                            !masked_tile, s.data(), tile.outerStride(), packed_gemm_buffers().edge);
+            multiply_panels(rows, cols, k.cols, queries, keys, k.cols * PackedGemmShape::kNr,
+                            options.scale, !masked_tile, s.data(), tile.outerStride(),
+                            packed_gemm_buffers().edge);
           }
         }
         if (!panels) {
@@ -261,10 +277,10 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
           if (panels) {
             // acc += p v, the values' rows j0 .. of each packed panel: the tile's keys are the
             // product's depth.
-            const float* values = mine.panels.head_values(v_bh) + j0 * PackedGemmShape::kNr;
+            const float* values = mine.panels.values.rows(v_bh) + j0 * PackedGemmShape::kNr;
             // NOLINTNEXTLINE(readability-suspicious-call-argument)
             multiply_panels(rows, value_dim, cols, LeftOperand{s.data(), tile.outerStride(), false},
-                            values, FlashPanels::value_panel_stride(v_bh), 1.0F, false,
+                            values, PanelBuffer::row_panel_stride(v_bh), 1.0F, false,
                             acc_blk.data(), acc.outerStride(), packed_gemm_buffers().edge);
             return;
           }
@@ -314,7 +330,7 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
                               const T* logsumexp, const HeadLayout<T>& grad_q,
                               const HeadLayout<T>& grad_k, const HeadLayout<T>& grad_v,
                               const CoreOptions<T>& options, std::vector<KernelScratch<T>>& scratch,
-                              const FlashBlocks& blocks = {64, 128}) {
+                              const FlashBlocks& blocks = kBackwardBlocks) {
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
   const Index query_len = q.rows, key_len = k.rows;
   const Index masked_keys = options.causal_cols;
@@ -323,9 +339,13 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
   [[maybe_unused]] const double work =
       2.0 * static_cast<double>(batch * heads) * static_cast<double>(query_len) *
       static_cast<double>(key_len) * static_cast<double>(q.cols + v.cols);
+  constexpr bool kFloat = std::is_same_v<T, float>;
+  [[maybe_unused]] constexpr Index nr = PackedGemmShape::kNr;
+  const bool panels = flash_backward_path(options) == FlashPath::panels;
   scratch_for_threads(scratch);
   MHA_OMP_PRAGMA(omp parallel if (worth_threads(tasks, work))) {
     KernelScratch<T>& mine = scratch[static_cast<std::size_t>(thread_index())];
+    mine.panels.forget();
     mine.scores.resize(blocks.query, blocks.key);
     mine.grad_scores.resize(blocks.query, blocks.key);
     if (options.softcap > T(0)) mine.capped.resize(blocks.query, blocks.key);
@@ -364,12 +384,35 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
             if (masked_tile) {
               options.masks(b, h, query_len, i0, j0, probs);
               if ((probs.array() == kNegInf).all()) continue;
-            } else {
+            } else if (!panels) {
               probs.setZero();
             }
             const auto q_blk = q_bh.middleRows(i0, rows);
             const auto grad_out_blk = grad_out_bh.middleRows(i0, rows);
-            options.add_scores(probs, q_blk, k_blk, mine.capped);
+            auto grad_scores = mine.grad_scores.topLeftCorner(rows, cols);
+            const Index probs_ld = mine.scores.outerStride(),
+                        grad_ld = mine.grad_scores.outerStride();
+            float* const edge = packed_gemm_buffers().edge;
+            // S (+ masks) = scale q kᵀ; dP = dO vᵀ.
+            if constexpr (kFloat) {
+              if (panels) {
+                const float* keys = FlashPanels::transposed_block(
+                    mine.panels.keys, mine.panels.block_keys, k_bh, j0, cols);
+                multiply_panels(
+                    rows, cols, k.cols, LeftOperand{q_blk.data(), q_blk.outerStride(), false}, keys,
+                    k.cols * nr, options.scale, !masked_tile, probs.data(), probs_ld, edge);
+                const float* values = FlashPanels::transposed_block(
+                    mine.panels.values_transposed, mine.panels.block_values, v_bh, j0, cols);
+                multiply_panels(rows, cols, v.cols,
+                                LeftOperand{grad_out_blk.data(), grad_out_blk.outerStride(), false},
+                                values, v.cols * nr, 1.0F, true, grad_scores.data(), grad_ld, edge);
+              }
+            }
+            if (!panels) {
+              options.add_scores(probs, q_blk, k_blk, mine.capped);
+              tile_product<T>(strided(grad_scores), const_strided(grad_out_blk), Operand::as_stored,
+                              const_strided(v_blk), Operand::transposed, Accumulate::no);
+            }
             // P = exp(S - lse), exactly 0 where blocked and in rows that saw no key
             for (Index r = 0; r < rows; ++r) {
               auto row = probs.row(r);
@@ -381,29 +424,56 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
                 row.array() = (row.array() - lse[i0 + r]).exp();
               }
             }
-            auto grad_scores = mine.grad_scores.topLeftCorner(rows, cols);
-            tile_product<T>(strided(grad_scores), const_strided(grad_out_blk), Operand::as_stored,
-                            const_strided(v_blk), Operand::transposed, Accumulate::no);
+            // dV += Pdᵀ dO, with Pd the tile dropout leaves (P itself without dropout).
+            auto dropped = mine.acc.topLeftCorner(rows, cols);
             if (options.dropout.active()) {
-              auto dropped = mine.acc.topLeftCorner(rows, cols);
               dropped = probs;
               options.dropout.apply(b, h, i0, j0, dropped);
-              tile_product<T>(strided(grad_v_blk), const_strided(dropped), Operand::transposed,
-                              const_strided(grad_out_blk), Operand::as_stored, Accumulate::yes);
               options.dropout.apply(b, h, i0, j0, grad_scores);
-            } else {
-              tile_product<T>(strided(grad_v_blk), const_strided(probs), Operand::transposed,
-                              const_strided(grad_out_blk), Operand::as_stored, Accumulate::yes);
+            }
+            const bool dropout = options.dropout.active();
+            if constexpr (kFloat) {
+              if (panels) {
+                const float* kept = dropout ? dropped.data() : probs.data();
+                const Index kept_ld = dropout ? mine.acc.outerStride() : probs_ld;
+                const float* grad_out_rows = mine.panels.grad_out.rows(grad_out_bh) + i0 * nr;
+                multiply_panels(cols, v.cols, rows, LeftOperand{kept, 1, false, kept_ld},
+                                grad_out_rows, PanelBuffer::row_panel_stride(grad_out_bh), 1.0F,
+                                false, grad_v_blk.data(), grad_v_blk.outerStride(), edge);
+              }
+            }
+            if (!panels) {
+              tile_product<T>(strided(grad_v_blk),
+                              dropout ? const_strided(dropped) : const_strided(probs),
+                              Operand::transposed, const_strided(grad_out_blk), Operand::as_stored,
+                              Accumulate::yes);
             }
             grad_scores.array() = probs.array() * (grad_scores.array().colwise() -
                                                    mine.row_dot.segment(i0, rows).array());
             options.softcap_backward(grad_scores, mine.capped);
-            tile_product<T>(strided(grad_q_bh.middleRows(i0, rows)), const_strided(grad_scores),
-                            Operand::as_stored, const_strided(k_blk), Operand::as_stored,
-                            Accumulate::yes, options.scale);
-            tile_product<T>(strided(grad_k_blk), const_strided(grad_scores), Operand::transposed,
-                            const_strided(q_blk), Operand::as_stored, Accumulate::yes,
-                            options.scale);
+            // dQ += scale dS k; dK += scale dSᵀ q.
+            auto grad_q_blk = grad_q_bh.middleRows(i0, rows);
+            if constexpr (kFloat) {
+              if (panels) {
+                const float* key_rows = mine.panels.key_rows.rows(k_bh) + j0 * nr;
+                multiply_panels(rows, k.cols, cols, LeftOperand{grad_scores.data(), grad_ld, false},
+                                key_rows, PanelBuffer::row_panel_stride(k_bh), options.scale, false,
+                                grad_q_blk.data(), grad_q_blk.outerStride(), edge);
+                const float* query_rows = mine.panels.queries.rows(q_bh) + i0 * nr;
+                multiply_panels(cols, k.cols, rows,
+                                LeftOperand{grad_scores.data(), 1, false, grad_ld}, query_rows,
+                                PanelBuffer::row_panel_stride(q_bh), options.scale, false,
+                                grad_k_blk.data(), grad_k_blk.outerStride(), edge);
+              }
+            }
+            if (!panels) {
+              tile_product<T>(strided(grad_q_blk), const_strided(grad_scores), Operand::as_stored,
+                              const_strided(k_blk), Operand::as_stored, Accumulate::yes,
+                              options.scale);
+              tile_product<T>(strided(grad_k_blk), const_strided(grad_scores), Operand::transposed,
+                              const_strided(q_blk), Operand::as_stored, Accumulate::yes,
+                              options.scale);
+            }
           }
         };
         for_each_key_block(options, h, key_len, query_len, 0, query_len - 1, blocks.key, key_block);

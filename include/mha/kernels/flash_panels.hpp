@@ -1,10 +1,14 @@
-// The flash kernel's keys and values as the packed GEMM's right-hand panels (packed_gemm.hpp), so
-// that its tile products run on the micro-kernel without packing the same keys and values again
-// for every query block: one thread's packed copy of the head it is working on, keys as panels
-// of kNr keys over D, values as panels of kNr value columns over S'. (The left operands, a
-// query block and a tile's probabilities, are read by the micro-kernel as the rows they are.)
+// The flash kernels' operands as the packed GEMM's right-hand panels (packed_gemm.hpp), so that
+// their tile products run on the micro-kernel without packing the same rows again for every
+// tile: one thread's packed copy of each matrix of the head it is working on. (The left
+// operands, a query block, a tile of probabilities or of score gradients, are read by the
+// micro-kernel as they are.)
 //
-// Shapes: a head's keys k [S', D] and values v [S', Dv]; a key block j0 .. j0 + cols - 1.
+// Two ways to pack a matrix m [R, C] (a head's keys, values, queries or output gradients):
+//   transposed  for products x · mᵀ: panels of kNr rows of m, each C x kNr; rows j0 (a multiple
+//               of kNr) onwards start at panel j0 / kNr, j0 · C floats in;
+//   rows        for products x · m: panels of kNr columns of m, each R x kNr (panel stride
+//               R · kNr); rows i0 onwards of every panel start i0 · kNr floats into it.
 #pragma once
 
 #include <vector>
@@ -13,55 +17,75 @@
 
 namespace mha::detail {
 
-class FlashPanels {
+// One matrix packed one way, kept while the same matrix is asked for again.
+class PanelBuffer {
  public:
-  // Forgets the packed head: a new call's keys and values may sit where the last call's did.
-  void forget() { keys_of_ = values_of_ = nullptr; }
+  // Forgets the packed matrix: a new call's operands may sit where the last call's did.
+  void forget() { packed_of_ = nullptr; }
 
-  // k [S', D] as panels of kNr keys, each D x kNr, packed once per head (keys_of_ remembers
-  // which): key block j0 (a multiple of kNr) starts at panel j0 / kNr.
-  const float* head_keys(const ConstStridedMap<float>& k) {
-    if (keys_of_ != k.data()) {
-      grow(keys_, packed_size(k.rows(), PackedGemmShape::kNr, k.cols()));
-      pack_rhs(PackedOperand{k.data(), 1, k.outerStride()}, 0, k.cols(), 0, k.rows(), keys_.data());
-      keys_of_ = k.data();
+  const float* transposed(const ConstStridedMap<float>& m) {
+    if (packed_of_ != m.data()) {
+      grow(packed_size(m.rows(), PackedGemmShape::kNr, m.cols()));
+      pack_rhs(PackedOperand{m.data(), 1, m.outerStride()}, 0, m.cols(), 0, m.rows(),
+               buffer_.data());
+      packed_of_ = m.data();
     }
-    return keys_.data();
-  }
-  // v [S', Dv] as panels of kNr value columns, each S' x kNr: a key block's rows of panel p start
-  // at p * value_panel_stride(v) + j0 * kNr.
-  const float* head_values(const ConstStridedMap<float>& v) {
-    if (values_of_ != v.data()) {
-      grow(values_, packed_size(v.cols(), PackedGemmShape::kNr, v.rows()));
-      pack_rhs(PackedOperand{v.data(), v.outerStride(), 1}, 0, v.rows(), 0, v.cols(),
-               values_.data());
-      values_of_ = v.data();
-    }
-    return values_.data();
-  }
-  static Index value_panel_stride(const ConstStridedMap<float>& v) {
-    return v.rows() * PackedGemmShape::kNr;
+    return buffer_.data();
   }
 
-  // Keys j0 .. j0 + cols - 1 of k as panels of their own, for a block that does not start at a
-  // panel of the packed head (a window's or a pattern's first visible key).
-  const float* block_keys(const ConstStridedMap<float>& k, Index j0, Index cols) {
-    grow(block_keys_, packed_size(cols, PackedGemmShape::kNr, k.cols()));
-    pack_rhs(PackedOperand{k.data(), 1, k.outerStride()}, 0, k.cols(), j0, cols,
-             block_keys_.data());
-    return block_keys_.data();
+  const float* rows(const ConstStridedMap<float>& m) {
+    if (packed_of_ != m.data()) {
+      grow(packed_size(m.cols(), PackedGemmShape::kNr, m.rows()));
+      pack_rhs(PackedOperand{m.data(), m.outerStride(), 1}, 0, m.rows(), 0, m.cols(),
+               buffer_.data());
+      packed_of_ = m.data();
+    }
+    return buffer_.data();
+  }
+  static Index row_panel_stride(const ConstStridedMap<float>& m) {
+    return m.rows() * PackedGemmShape::kNr;
+  }
+
+  // Rows j0 .. j0 + count - 1 of m, transposed, as panels of their own, packed at every call: a
+  // block that does not start at a panel of the whole (a window's or a pattern's first key).
+  const float* block_transposed(const ConstStridedMap<float>& m, Index j0, Index count) {
+    grow(packed_size(count, PackedGemmShape::kNr, m.cols()));
+    pack_rhs(PackedOperand{m.data(), 1, m.outerStride()}, 0, m.cols(), j0, count, buffer_.data());
+    packed_of_ = nullptr;
+    return buffer_.data();
   }
 
  private:
-  using Buffer = std::vector<float, Eigen::aligned_allocator<float>>;
-  // Buffers only grow: a thread's calls of the same shapes allocate nothing.
-  static void grow(Buffer& buffer, Index size) {
-    if (static_cast<Index>(buffer.size()) < size) buffer.resize(static_cast<std::size_t>(size));
+  // The buffer only grows: a thread's calls of the same shapes allocate nothing.
+  void grow(Index size) {
+    if (static_cast<Index>(buffer_.size()) < size) buffer_.resize(static_cast<std::size_t>(size));
   }
 
-  Buffer keys_, values_, block_keys_;
-  const float* keys_of_ = nullptr;
-  const float* values_of_ = nullptr;
+  std::vector<float, Eigen::aligned_allocator<float>> buffer_;
+  const float* packed_of_ = nullptr;
+};
+
+// A thread's packed operands. The forward: keys transposed (q kᵀ), values as rows (p v). The
+// backward also: values transposed (dO vᵀ), keys as rows (dS k), and each query head's queries
+// and output gradients as rows (dSᵀ q, Pᵀ dO).
+struct FlashPanels {
+  PanelBuffer keys, values, block_keys;
+  PanelBuffer values_transposed, key_rows, queries, grad_out, block_values;
+
+  void forget() {
+    for (PanelBuffer* buffer : {&keys, &values, &block_keys, &values_transposed, &key_rows,
+                                &queries, &grad_out, &block_values}) {
+      buffer->forget();
+    }
+  }
+
+  // Rows j0 .. j0 + count - 1 of m transposed (keys for q kᵀ, values for dO vᵀ): from the whole
+  // head's panels where j0 starts one, else packed apart.
+  static const float* transposed_block(PanelBuffer& whole, PanelBuffer& block,
+                                       const ConstStridedMap<float>& m, Index j0, Index count) {
+    return j0 % PackedGemmShape::kNr == 0 ? whole.transposed(m) + j0 * m.cols()
+                                          : block.block_transposed(m, j0, count);
+  }
 };
 
 }  // namespace mha::detail

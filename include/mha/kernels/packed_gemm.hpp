@@ -282,17 +282,20 @@ inline bool packed_gemm_available() {
 }
 
 // The left operand of multiply_panels: panels of kMr rows packed by pack_lhs (k-major, depth ·
-// kMr floats apart), or the rows of a row-major block as they are (row_stride apart), which the
-// flash kernel's query blocks and probability tiles are.
+// kMr floats apart), or a block as it is, element (r, k) at data[r · row_stride + k · k_step]:
+// the rows of a row-major block (k_step 1: the flash kernels' query blocks and probability
+// tiles) or its columns (row_stride 1, k_step its row stride: a tile transposed, Pᵀ and dSᵀ in
+// the flash backward).
 struct LeftOperand {
   const float* data;
-  Index row_stride;  // the block's; unused when packed
+  Index row_stride;  // unused when packed
   bool packed;
+  Index k_step = 1;  // unused when packed
 };
 
 // dst [rows, cols] (row stride ld) = (first ? 0 : dst) + alpha · A · B over `depth`, B as panels
 // of kNr columns (k-major, b_stride floats apart). A partial tile is computed whole into
-// `edge` (kMr x kNr floats) and its part copied, and a row-major A's last rows, fewer than kMr,
+// `edge` (kMr x kNr floats) and its part copied, and an unpacked A's last rows, fewer than kMr,
 // are packed first, zero-padded: every element gets the same arithmetic. Only where
 // packed_gemm_available().
 inline void multiply_panels(Index rows, Index cols, Index depth, const LeftOperand& a,
@@ -315,12 +318,13 @@ inline void multiply_panels(Index rows, Index cols, Index depth, const LeftOpera
     for (Index i = 0; i < rows; i += S::kMr) {
       const Index height = std::min(S::kMr, rows - i);
       const float* a_panel = a.packed ? a.data + i * depth : a.data + i * a.row_stride;
-      Index row_step = a.packed ? 1 : a.row_stride, k_step = a.packed ? S::kMr : 1;
+      Index row_step = a.packed ? 1 : a.row_stride, k_step = a.packed ? S::kMr : a.k_step;
       if (!a.packed && height < S::kMr) {
         if (static_cast<Index>(last_rows.size()) < S::kMr * depth) {
           last_rows.resize(static_cast<std::size_t>(S::kMr * depth));
         }
-        pack_lhs(PackedOperand{a_panel, a.row_stride, 1}, 0, height, 0, depth, last_rows.data());
+        pack_lhs(PackedOperand{a_panel, a.row_stride, a.k_step}, 0, height, 0, depth,
+                 last_rows.data());
         a_panel = last_rows.data();
         row_step = 1;
         k_step = S::kMr;
