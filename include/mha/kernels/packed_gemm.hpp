@@ -110,7 +110,23 @@ inline void pack_lhs(const PackedOperand& lhs, Index i0, Index rows, Index k0, I
                      float* packed) {
   constexpr Index mr = PackedGemmShape::kMr;
   static_assert(mr == 6, "pack_six_rows packs panels of six rows");
-  for (Index p = 0; p < rows; p += mr, packed += depth * mr) {
+  Index p = 0;
+  if (lhs.row_step == 1) {
+    // Columns contiguous (a transposed lhs: the backward's dYᵀ X): each step's row of the stored
+    // matrix read along its length once, six floats into every whole panel. (Panel by panel,
+    // every step fell on another row, 4 KiB or more apart: 5 cycles an element.)
+    const Index whole = rows / mr * mr;
+    for (Index k = 0; k < depth; ++k) {
+      const float* row = &lhs.data[i0 + (k0 + k) * lhs.col_step];
+      for (Index q = 0; q < whole; q += mr) {
+        float* out = packed + q * depth + k * mr;
+        for (Index r = 0; r < mr; ++r) out[r] = row[q + r];
+      }
+    }
+    p = whole;
+    packed += whole * depth;
+  }
+  for (; p < rows; p += mr, packed += depth * mr) {
     const Index height = std::min(mr, rows - p);
     Index k = 0;
 #ifdef MHA_PACKED_GEMM_X86
