@@ -437,6 +437,8 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
                 const float* kept = dropout ? dropped.data() : probs.data();
                 const Index kept_ld = dropout ? mine.acc.outerStride() : probs_ld;
                 const float* grad_out_rows = mine.panels.grad_out.rows(grad_out_bh) + i0 * nr;
+                // Pᵀ and dSᵀ: the tile's keys are the product's rows, its queries the depth.
+                // NOLINTNEXTLINE(readability-suspicious-call-argument)
                 multiply_panels(cols, v.cols, rows, LeftOperand{kept, 1, false, kept_ld},
                                 grad_out_rows, PanelBuffer::row_panel_stride(grad_out_bh), 1.0F,
                                 false, grad_v_blk.data(), grad_v_blk.outerStride(), edge);
@@ -460,6 +462,7 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
                                 key_rows, PanelBuffer::row_panel_stride(k_bh), options.scale, false,
                                 grad_q_blk.data(), grad_q_blk.outerStride(), edge);
                 const float* query_rows = mine.panels.queries.rows(q_bh) + i0 * nr;
+                // NOLINTNEXTLINE(readability-suspicious-call-argument)
                 multiply_panels(cols, k.cols, rows,
                                 LeftOperand{grad_scores.data(), 1, false, grad_ld}, query_rows,
                                 PanelBuffer::row_panel_stride(q_bh), options.scale, false,

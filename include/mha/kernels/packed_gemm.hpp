@@ -117,7 +117,7 @@ inline void pack_lhs(const PackedOperand& lhs, Index i0, Index rows, Index k0, I
     // every step fell on another row, 4 KiB or more apart: 5 cycles an element.)
     const Index whole = rows / mr * mr;
     for (Index k = 0; k < depth; ++k) {
-      const float* row = &lhs.data[i0 + (k0 + k) * lhs.col_step];
+      const float* row = lhs.data + i0 + (k0 + k) * lhs.col_step;
       for (Index q = 0; q < whole; q += mr) {
         float* out = packed + q * depth + k * mr;
         for (Index r = 0; r < mr; ++r) out[r] = row[q + r];
@@ -136,7 +136,7 @@ inline void pack_lhs(const PackedOperand& lhs, Index i0, Index rows, Index k0, I
     if (height == mr && lhs.col_step == 1 && cpu_has_avx2_fma()) {
       const bool panel_follows = p + mr < rows;
       for (; k + 8 <= depth && (k + 8 < depth || panel_follows); k += 8) {
-        pack_six_rows(&lhs.data[(i0 + p) * lhs.row_step + k0 + k], lhs.row_step, packed + k * mr);
+        pack_six_rows(lhs.data + (i0 + p) * lhs.row_step + k0 + k, lhs.row_step, packed + k * mr);
       }
     }
 #endif
@@ -309,9 +309,9 @@ inline bool packed_gemm_available() {
 // tiles) or its columns (row_stride 1, k_step its row stride: a tile transposed, Pᵀ and dSᵀ in
 // the flash backward).
 struct LeftOperand {
-  const float* data;
-  Index row_stride;  // unused when packed
-  bool packed;
+  const float* data = nullptr;
+  Index row_stride = 0;  // unused when packed
+  bool packed = false;
   Index k_step = 1;  // unused when packed
 };
 
