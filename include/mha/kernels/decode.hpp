@@ -322,9 +322,9 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
 #ifdef MHA_PACKED_GEMM_X86
         for (Index i = 0; i < tile_rows; i += S::kMr) {
           for (Index d = 0; d < value_dim; d += S::kNr) {
-            micro_kernel_avx2(count, &scores(r0 + i, j0), scores.outerStride(), 1, head_values + d,
-                              stride, 1.0F, j0 == 0, &mine.acc(g * tile_rows + i, d),
-                              mine.acc.outerStride());
+            micro_kernel(count, &scores(r0 + i, j0), scores.outerStride(), 1, head_values + d,
+                         stride, 1.0F, j0 == 0, &mine.acc(g * tile_rows + i, d),
+                         mine.acc.outerStride());
           }
         }
 #endif

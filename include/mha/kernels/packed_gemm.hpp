@@ -287,17 +287,70 @@ __attribute__((target("avx2,fma"))) inline void micro_kernel_avx2(Index depth, c
   store_tile_row(tile + 4 * ld, c40, c41, scale, first);
   store_tile_row(tile + 5 * ld, c50, c51, scale, first);
 }
+
+// Whether the CPU runs the AVX-512 micro-kernels below (checked once).
+inline bool cpu_has_avx512f() {
+  static const bool has = __builtin_cpu_supports("avx512f");
+  return has;
+}
+
+// micro_kernel_avx2's tile with AVX-512, for Rows = 6 (one panel) or 12 (two): rows [0, 6) of A
+// from `top`, rows [6, 12) from `bottom`, each element (r, k) at r · a_row_step + k · a_k_step
+// from its start (two packed panels are depth · kMr floats apart, not six rows). One 16-float
+// register per row of the tile: twelve chains of FMAs, enough to cover the FMA's latency on both
+// pipes, where six (a single panel) cover three quarters of it. Each element gets the same
+// arithmetic as micro_kernel_avx2 gives it (a chain of FMAs in k order, then one FMA with alpha
+// and the old value), so results do not depend on which of the two kernels ran.
+template <int Rows>
+__attribute__((target("avx512f"))) inline void micro_kernel_avx512(
+    Index depth, const float* top, const float* bottom, Index a_row_step, Index a_k_step,
+    const float* b, Index b_k_step, float alpha, bool first, float* tile, Index ld) {
+  static_assert(Rows == 6 || Rows == 12, "one or two panels of six rows");
+  if (!first) {
+    for (Index r = 0; r < Rows; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(tile + r * ld), _MM_HINT_T0);
+    }
+  }
+  __m512 sums[Rows];
+  for (int r = 0; r < Rows; ++r) sums[r] = _mm512_setzero_ps();
+  Index offsets[6];
+  for (int r = 0; r < 6; ++r) offsets[r] = r * a_row_step;
+  for (Index k = 0; k < depth; ++k, top += a_k_step, bottom += a_k_step, b += b_k_step) {
+    const __m512 row = _mm512_loadu_ps(b);
+    for (int r = 0; r < 6; ++r) {
+      sums[r] = _mm512_fmadd_ps(_mm512_set1_ps(top[offsets[r]]), row, sums[r]);
+    }
+    if constexpr (Rows == 12) {
+      for (int r = 0; r < 6; ++r) {
+        sums[6 + r] = _mm512_fmadd_ps(_mm512_set1_ps(bottom[offsets[r]]), row, sums[6 + r]);
+      }
+    }
+  }
+  const __m512 scale = _mm512_set1_ps(alpha);
+  for (int r = 0; r < Rows; ++r) {
+    float* out = tile + r * ld;
+    const __m512 old = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out);
+    _mm512_storeu_ps(out, _mm512_fmadd_ps(scale, sums[r], old));
+  }
+}
+
+// One tile of six rows (see micro_kernel_avx2) with the widest kernel the CPU runs.
+inline void micro_kernel(Index depth, const float* a, Index a_row_step, Index a_k_step,
+                         const float* b, Index b_k_step, float alpha, bool first, float* tile,
+                         Index ld) {
+  if (cpu_has_avx512f()) {
+    micro_kernel_avx512<6>(depth, a, a, a_row_step, a_k_step, b, b_k_step, alpha, first, tile, ld);
+  } else {
+    micro_kernel_avx2(depth, a, a_row_step, a_k_step, b, b_k_step, alpha, first, tile, ld);
+  }
+}
 #endif
 
-// Whether the packed GEMM runs here (checked once): where the CPU has AVX2 and FMA, and Eigen was
-// not compiled for wider vectors than its 8 floats. A build for AVX-512 (-march=native on such a
-// CPU) keeps Eigen's GEMM, which then ran at 68 % of the FMA peak (Zen 5, 2026-12-01) where an
-// AVX2 kernel could reach at most half of it; an AVX-512 micro-kernel is not written yet.
+// Whether the packed GEMM runs here (checked once): where the CPU has AVX2 and FMA, with the
+// AVX-512 micro-kernels where it has those too, whatever instructions Eigen was compiled for.
 inline bool packed_gemm_available() {
 #ifdef MHA_PACKED_GEMM_X86
-  static const bool available =
-      Eigen::internal::packet_traits<float>::size <= 8 && cpu_has_avx2_fma();
-  return available;
+  return cpu_has_avx2_fma();
 #else
   return false;
 #endif
@@ -335,11 +388,16 @@ inline void multiply_panels(Index rows, Index cols, Index depth, const LeftOpera
   // read again from L3 or memory for each row panel.
   constexpr Index kChunkFloats = Index{1} << 16;
   const Index chunk = std::max(S::kNr, kChunkFloats / std::max<Index>(depth, 1) / S::kNr * S::kNr);
+  // With AVX-512, two whole row panels at a time (micro_kernel_avx512<12>): A's 12 rows (12 KiB
+  // at kKc) stay in L1, and each of B's rows loaded serves twelve FMAs.
+  const bool wide = cpu_has_avx512f();
   for (Index j0 = 0; j0 < cols; j0 += chunk) {
     const Index chunk_end = std::min(cols, j0 + chunk);
-    for (Index i = 0; i < rows; i += S::kMr) {
+    for (Index i = 0; i < rows;) {
       const Index height = std::min(S::kMr, rows - i);
+      const bool pair = wide && rows - i >= 2 * S::kMr;
       const float* a_panel = a.packed ? a.data + i * depth : a.data + i * a.row_stride;
+      const float* a_next = a.packed ? a_panel + S::kMr * depth : a_panel + S::kMr * a.row_stride;
       Index row_step = a.packed ? 1 : a.row_stride, k_step = a.packed ? S::kMr : a.k_step;
       if (!a.packed && height < S::kMr) {
         if (static_cast<Index>(last_rows.size()) < S::kMr * depth) {
@@ -355,20 +413,30 @@ inline void multiply_panels(Index rows, Index cols, Index depth, const LeftOpera
         const float* b_panel = b + (j / S::kNr) * b_stride;
         const Index width = std::min(S::kNr, cols - j);
         float* tile = dst + i * ld + j;
-        if (height == S::kMr && width == S::kNr) {
-          micro_kernel_avx2(depth, a_panel, row_step, k_step, b_panel, S::kNr, alpha, first, tile,
-                            ld);
+        if (pair && width == S::kNr) {
+          micro_kernel_avx512<2 * S::kMr>(depth, a_panel, a_next, row_step, k_step, b_panel, S::kNr,
+                                          alpha, first, tile, ld);
           continue;
         }
-        for (Index r = 0; r < height && !first; ++r) {
-          std::copy(tile + r * ld, tile + r * ld + width, edge + r * S::kNr);
+        if (height == S::kMr && width == S::kNr) {
+          micro_kernel(depth, a_panel, row_step, k_step, b_panel, S::kNr, alpha, first, tile, ld);
+          continue;
         }
-        micro_kernel_avx2(depth, a_panel, row_step, k_step, b_panel, S::kNr, alpha, first, edge,
-                          S::kNr);
-        for (Index r = 0; r < height; ++r) {
-          std::copy(edge + r * S::kNr, edge + r * S::kNr + width, tile + r * ld);
+        // A partial tile (of one panel, or of each of a pair's), computed whole into `edge`.
+        for (const float* panel : {a_panel, a_next}) {
+          const Index offset = panel == a_panel ? 0 : S::kMr;
+          for (Index r = 0; r < height && !first; ++r) {
+            std::copy(tile + (offset + r) * ld, tile + (offset + r) * ld + width,
+                      edge + r * S::kNr);
+          }
+          micro_kernel(depth, panel, row_step, k_step, b_panel, S::kNr, alpha, first, edge, S::kNr);
+          for (Index r = 0; r < height; ++r) {
+            std::copy(edge + r * S::kNr, edge + r * S::kNr + width, tile + (offset + r) * ld);
+          }
+          if (!pair) break;
         }
       }
+      i += pair ? 2 * S::kMr : S::kMr;
     }
   }
 #else
