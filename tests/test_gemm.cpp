@@ -167,3 +167,42 @@ TEST_CASE("slabs of rows sharing a packed rhs equal one tile_product bit for bit
       Eigen::Map<const mha::Matrix<float>>(w.data(), N, K), Accumulate::yes, scratch);
   CHECK(projected.flat() == whole_product(x, Operand::as_stored, w, Operand::transposed).flat());
 }
+
+#ifdef MHA_PACKED_GEMM_X86
+TEST_CASE("the AVX-512 and AVX2 micro-kernels give every element the same arithmetic", "[gemm]") {
+  // packed_gemm.hpp chooses the kernel by the CPU: a product must not change with it. Random
+  // (not grid) values, so that a different order of summation shows in the last bits.
+  if (!mha::detail::cpu_has_avx512f() || !mha::detail::cpu_has_avx2_fma()) {
+    WARN("this CPU lacks AVX-512 or AVX2: nothing to compare");
+    return;
+  }
+  constexpr Index kMr = mha::detail::PackedGemmShape::kMr, kNr = mha::detail::PackedGemmShape::kNr;
+  for (const Index depth : {1, 7, 64, 300}) {
+    for (const bool first : {true, false}) {
+      // A as a row-major block (rows 13 floats apart, k_step 1) and as two packed panels.
+      const auto a = mha_test::random_tensor<float>({2 * kMr, depth + 13}, depth);
+      const auto b = mha_test::random_tensor<float>({depth, kNr}, depth + 1);
+      const auto old = mha_test::random_tensor<float>({2 * kMr, kNr}, depth + 2);
+      const float alpha = first ? 1.0F : 0.7F;
+      std::vector<float> packed(static_cast<std::size_t>(2 * kMr * depth));
+      mha::detail::pack_lhs(mha::detail::PackedOperand{a.data(), depth + 13, 1}, 0, 2 * kMr, 0,
+                            depth, packed.data());
+      Tensor<float> wide = old, narrow = old, wide_packed = old;
+      mha::detail::micro_kernel_avx512<2 * kMr>(depth, a.data(), a.data() + kMr * (depth + 13),
+                                                depth + 13, 1, b.data(), kNr, alpha, first,
+                                                wide.data(), kNr);
+      mha::detail::micro_kernel_avx512<2 * kMr>(depth, packed.data(), packed.data() + kMr * depth,
+                                                1, kMr, b.data(), kNr, alpha, first,
+                                                wide_packed.data(), kNr);
+      for (Index half = 0; half < 2; ++half) {
+        mha::detail::micro_kernel_avx2(depth, a.data() + half * kMr * (depth + 13), depth + 13, 1,
+                                       b.data(), kNr, alpha, first,
+                                       narrow.data() + half * kMr * kNr, kNr);
+      }
+      INFO("depth " << depth << (first ? " first" : " accumulated"));
+      CHECK(wide.flat() == narrow.flat());
+      CHECK(wide_packed.flat() == narrow.flat());
+    }
+  }
+}
+#endif
