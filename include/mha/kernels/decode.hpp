@@ -217,10 +217,13 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
     }
   };
 
-  // The cache rows [c0 + j0, c0 + j0 + count) of keys or values, requested ahead of their use:
-  // the micro-kernel walks a sub-block's rows once per panel of 16 columns, and would wait for
-  // each row at the first.
+  // The cache rows [c0 + j0, c0 + j0 + count) of keys or values, requested ahead of their use
+  // by the micro-kernel, which walks a sub-block's rows once per panel of 16 columns. Dot products
+  // read each row once, in order, which the hardware's prefetchers follow: there, requests of
+  // their own cost a quarter of the speed (Zen 5, B = 8, H_kv = 16: 30 GB/s with them, 41
+  // without, bench/RESULTS.md 2026-12-02, fourth session).
   const auto prefetch = [&](const Stored* base, Index j0, Index count, Index width) {
+    if (!panels) return;
     constexpr Index kLine = 64 / static_cast<Index>(sizeof(Stored));
     for (Index j = c0 + j0; j < c0 + j0 + count; ++j) {
       for (Index d = 0; d < width; d += kLine) __builtin_prefetch(base + j * shape.kv_stride + d);
@@ -320,12 +323,23 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
       const Index r0 = g * group_rows;
       if (panels) {
 #ifdef MHA_PACKED_GEMM_X86
-        for (Index i = 0; i < tile_rows; i += S::kMr) {
+        for (Index i = 0; i < tile_rows;) {
+          // Two panels of rows a call with AVX-512 (see multiply_panels).
+          const bool pair = cpu_has_avx512f() && i + 2 * S::kMr <= tile_rows;
+          const float* probabilities = &scores(r0 + i, j0);
           for (Index d = 0; d < value_dim; d += S::kNr) {
-            micro_kernel(count, &scores(r0 + i, j0), scores.outerStride(), 1, head_values + d,
-                         stride, 1.0F, j0 == 0, &mine.acc(g * tile_rows + i, d),
-                         mine.acc.outerStride());
+            float* sums = &mine.acc(g * tile_rows + i, d);
+            if (pair) {
+              micro_kernel_avx512<2 * S::kMr>(count, probabilities,
+                                              probabilities + S::kMr * scores.outerStride(),
+                                              scores.outerStride(), 1, head_values + d, stride,
+                                              1.0F, j0 == 0, sums, mine.acc.outerStride());
+            } else {
+              micro_kernel(count, probabilities, scores.outerStride(), 1, head_values + d, stride,
+                           1.0F, j0 == 0, sums, mine.acc.outerStride());
+            }
           }
+          i += pair ? 2 * S::kMr : S::kMr;
         }
 #endif
       } else {
