@@ -179,29 +179,36 @@ TEST_CASE("the AVX-512 and AVX2 micro-kernels give every element the same arithm
   constexpr Index kMr = mha::detail::PackedGemmShape::kMr, kNr = mha::detail::PackedGemmShape::kNr;
   for (const Index depth : {1, 7, 64, 300}) {
     for (const bool first : {true, false}) {
-      // A as a row-major block (rows 13 floats apart, k_step 1) and as two packed panels.
-      const auto a = mha_test::random_tensor<float>({2 * kMr, depth + 13}, depth);
-      const auto b = mha_test::random_tensor<float>({depth, kNr}, depth + 1);
-      const auto old = mha_test::random_tensor<float>({2 * kMr, kNr}, depth + 2);
+      // A as a row-major block (rows depth + 13 floats apart, k_step 1) and packed; B as a
+      // row-major block of 2·kNr columns (row stride 2·kNr + 5) and as two packed panels.
+      const Index lda = depth + 13, ldb = 2 * kNr + 5;
+      const auto a = mha_test::random_tensor<float>({kMr, lda}, 3 * depth);
+      const auto b = mha_test::random_tensor<float>({depth, ldb}, 3 * depth + 1);
+      const auto old = mha_test::random_tensor<float>({kMr, 2 * kNr}, 3 * depth + 2);
       const float alpha = first ? 1.0F : 0.7F;
-      std::vector<float> packed(static_cast<std::size_t>(2 * kMr * depth));
-      mha::detail::pack_lhs(mha::detail::PackedOperand{a.data(), depth + 13, 1}, 0, 2 * kMr, 0,
-                            depth, packed.data());
-      Tensor<float> wide = old, narrow = old, wide_packed = old;
-      mha::detail::micro_kernel_avx512<2 * kMr>(depth, a.data(), a.data() + kMr * (depth + 13),
-                                                depth + 13, 1, b.data(), kNr, alpha, first,
-                                                wide.data(), kNr);
-      mha::detail::micro_kernel_avx512<2 * kMr>(depth, packed.data(), packed.data() + kMr * depth,
-                                                1, kMr, b.data(), kNr, alpha, first,
-                                                wide_packed.data(), kNr);
-      for (Index half = 0; half < 2; ++half) {
-        mha::detail::micro_kernel_avx2(depth, a.data() + half * kMr * (depth + 13), depth + 13, 1,
-                                       b.data(), kNr, alpha, first,
-                                       narrow.data() + half * kMr * kNr, kNr);
+      std::vector<float> packed_a(static_cast<std::size_t>(kMr * depth));
+      std::vector<float> packed_b(static_cast<std::size_t>(2 * kNr * depth));
+      mha::detail::pack_lhs(mha::detail::PackedOperand{a.data(), lda, 1}, 0, kMr, 0, depth,
+                            packed_a.data());
+      mha::detail::pack_rhs(mha::detail::PackedOperand{b.data(), ldb, 1}, 0, depth, 0, 2 * kNr,
+                            packed_b.data());
+      Tensor<float> narrow = old, two_panels = old, two_packed = old, one_panel = old;
+      for (Index p = 0; p < 2; ++p) {
+        mha::detail::micro_kernel_avx2(depth, a.data(), lda, 1, b.data() + p * kNr, ldb, alpha,
+                                       first, narrow.data() + p * kNr, 2 * kNr);
+        mha::detail::micro_kernel_avx512<1>(depth, packed_a.data(), 1, kMr,
+                                            packed_b.data() + p * kNr * depth, 0, kNr, alpha, first,
+                                            one_panel.data() + p * kNr, 2 * kNr);
       }
+      mha::detail::micro_kernel_avx512<2>(depth, a.data(), lda, 1, b.data(), kNr, ldb, alpha, first,
+                                          two_panels.data(), 2 * kNr);
+      mha::detail::micro_kernel_avx512<2>(depth, packed_a.data(), 1, kMr, packed_b.data(),
+                                          kNr * depth, kNr, alpha, first, two_packed.data(),
+                                          2 * kNr);
       INFO("depth " << depth << (first ? " first" : " accumulated"));
-      CHECK(wide.flat() == narrow.flat());
-      CHECK(wide_packed.flat() == narrow.flat());
+      CHECK(two_panels.flat() == narrow.flat());
+      CHECK(two_packed.flat() == narrow.flat());
+      CHECK(one_panel.flat() == narrow.flat());
     }
   }
 }

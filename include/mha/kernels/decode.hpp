@@ -323,23 +323,23 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
       const Index r0 = g * group_rows;
       if (panels) {
 #ifdef MHA_PACKED_GEMM_X86
-        for (Index i = 0; i < tile_rows;) {
-          // Two panels of rows a call with AVX-512 (see multiply_panels).
-          const bool pair = cpu_has_avx512f() && i + 2 * S::kMr <= tile_rows;
+        // Two panels of columns a call with AVX-512 (see multiply_panels).
+        const Index step = (cpu_has_avx512f() ? 2 : 1) * S::kNr;
+        for (Index i = 0; i < tile_rows; i += S::kMr) {
           const float* probabilities = &scores(r0 + i, j0);
-          for (Index d = 0; d < value_dim; d += S::kNr) {
+          for (Index d = 0; d < value_dim; d += step) {
             float* sums = &mine.acc(g * tile_rows + i, d);
-            if (pair) {
-              micro_kernel_avx512<2 * S::kMr>(count, probabilities,
-                                              probabilities + S::kMr * scores.outerStride(),
-                                              scores.outerStride(), 1, head_values + d, stride,
-                                              1.0F, j0 == 0, sums, mine.acc.outerStride());
+            if (d + 2 * S::kNr <= value_dim && step > S::kNr) {
+              micro_kernel_avx512<2>(count, probabilities, scores.outerStride(), 1, head_values + d,
+                                     S::kNr, stride, 1.0F, j0 == 0, sums, mine.acc.outerStride());
             } else {
-              micro_kernel(count, probabilities, scores.outerStride(), 1, head_values + d, stride,
-                           1.0F, j0 == 0, sums, mine.acc.outerStride());
+              for (Index e = d; e < std::min(value_dim, d + step); e += S::kNr) {
+                micro_kernel(count, probabilities, scores.outerStride(), 1, head_values + e, stride,
+                             1.0F, j0 == 0, &mine.acc(g * tile_rows + i, e),
+                             mine.acc.outerStride());
+              }
             }
           }
-          i += pair ? 2 * S::kMr : S::kMr;
         }
 #endif
       } else {

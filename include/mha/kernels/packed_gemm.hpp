@@ -294,52 +294,59 @@ inline bool cpu_has_avx512f() {
   return has;
 }
 
-// micro_kernel_avx2's tile with AVX-512, for Rows = 6 (one panel) or 12 (two): rows [0, 6) of A
-// from `top`, rows [6, 12) from `bottom`, each element (r, k) at r · a_row_step + k · a_k_step
-// from its start (two packed panels are depth · kMr floats apart, not six rows). One 16-float
-// register per row of the tile: twelve chains of FMAs, enough to cover the FMA's latency on both
-// pipes, where six (a single panel) cover three quarters of it. Each element gets the same
-// arithmetic as micro_kernel_avx2 gives it (a chain of FMAs in k order, then one FMA with alpha
-// and the old value), so results do not depend on which of the two kernels ran.
-template <int Rows>
+// micro_kernel_avx2's tile with AVX-512 for one panel of B (Panels = 1: kMr x kNr) or two side by
+// side (Panels = 2: kMr x 2·kNr, the second b_panel_step floats after the first: the next packed
+// panel, or the next 16 columns of a row-major block). One 16-float register per row and panel:
+// with two panels, twelve chains of FMAs and six broadcasts of A for twelve FMAs, where one panel
+// has six chains (three quarters of the FMA's latency covered) and twelve rows of A over one
+// panel take twelve broadcasts, whose loads then bound it: in L1, one thread, 93 % of the peak
+// for 6 x 32 against 78 % for 12 x 16 (Zen 5, 2026-12-02). Each element gets the same arithmetic
+// as micro_kernel_avx2 gives it (a chain of FMAs in k order, then one FMA with alpha and the old
+// value), so results do not depend on which kernel ran. Not inlined: inlined into a caller,
+// GCC 12 scheduled P·V's tiles at two thirds of the speed.
+template <int Panels>
 __attribute__((target("avx512f"), noinline)) inline void micro_kernel_avx512(
-    Index depth, const float* top, const float* bottom, Index a_row_step, Index a_k_step,
-    const float* b, Index b_k_step, float alpha, bool first, float* tile, Index ld) {
-  static_assert(Rows == 6 || Rows == 12, "one or two panels of six rows");
+    Index depth, const float* a, Index a_row_step, Index a_k_step, const float* b,
+    Index b_panel_step, Index b_k_step, float alpha, bool first, float* tile, Index ld) {
+  static_assert(Panels == 1 || Panels == 2, "one or two panels of B");
+  constexpr int kRows = PackedGemmShape::kMr;
   if (!first) {
-    for (Index r = 0; r < Rows; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(tile + r * ld), _MM_HINT_T0);
-    }
-  }
-  __m512 sums[Rows];
-  for (int r = 0; r < Rows; ++r) sums[r] = _mm512_setzero_ps();
-  Index offsets[6];
-  for (int r = 0; r < 6; ++r) offsets[r] = r * a_row_step;
-  for (Index k = 0; k < depth; ++k, top += a_k_step, bottom += a_k_step, b += b_k_step) {
-    const __m512 row = _mm512_loadu_ps(b);
-    for (int r = 0; r < 6; ++r) {
-      sums[r] = _mm512_fmadd_ps(_mm512_set1_ps(top[offsets[r]]), row, sums[r]);
-    }
-    if constexpr (Rows == 12) {
-      for (int r = 0; r < 6; ++r) {
-        sums[6 + r] = _mm512_fmadd_ps(_mm512_set1_ps(bottom[offsets[r]]), row, sums[6 + r]);
+    for (Index r = 0; r < kRows; ++r) {
+      for (Index p = 0; p < Panels; ++p) {
+        _mm_prefetch(reinterpret_cast<const char*>(tile + r * ld + p * 16), _MM_HINT_T0);
       }
     }
   }
+  __m512 sums[kRows][Panels];
+  for (int r = 0; r < kRows; ++r) {
+    for (int p = 0; p < Panels; ++p) sums[r][p] = _mm512_setzero_ps();
+  }
+  Index offsets[kRows];
+  for (int r = 0; r < kRows; ++r) offsets[r] = r * a_row_step;
+  for (Index k = 0; k < depth; ++k, a += a_k_step, b += b_k_step) {
+    __m512 row[Panels];
+    for (int p = 0; p < Panels; ++p) row[p] = _mm512_loadu_ps(b + p * b_panel_step);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 x = _mm512_set1_ps(a[offsets[r]]);
+      for (int p = 0; p < Panels; ++p) sums[r][p] = _mm512_fmadd_ps(x, row[p], sums[r][p]);
+    }
+  }
   const __m512 scale = _mm512_set1_ps(alpha);
-  for (int r = 0; r < Rows; ++r) {
-    float* out = tile + r * ld;
-    const __m512 old = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out);
-    _mm512_storeu_ps(out, _mm512_fmadd_ps(scale, sums[r], old));
+  for (int r = 0; r < kRows; ++r) {
+    for (int p = 0; p < Panels; ++p) {
+      float* out = tile + r * ld + p * 16;
+      const __m512 old = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out);
+      _mm512_storeu_ps(out, _mm512_fmadd_ps(scale, sums[r][p], old));
+    }
   }
 }
 
-// One tile of six rows (see micro_kernel_avx2) with the widest kernel the CPU runs.
+// One tile of kMr x kNr (see micro_kernel_avx2) with the widest kernel the CPU runs.
 inline void micro_kernel(Index depth, const float* a, Index a_row_step, Index a_k_step,
                          const float* b, Index b_k_step, float alpha, bool first, float* tile,
                          Index ld) {
   if (cpu_has_avx512f()) {
-    micro_kernel_avx512<6>(depth, a, a, a_row_step, a_k_step, b, b_k_step, alpha, first, tile, ld);
+    micro_kernel_avx512<1>(depth, a, a_row_step, a_k_step, b, 0, b_k_step, alpha, first, tile, ld);
   } else {
     micro_kernel_avx2(depth, a, a_row_step, a_k_step, b, b_k_step, alpha, first, tile, ld);
   }
@@ -387,57 +394,52 @@ inline void multiply_panels(Index rows, Index cols, Index depth, const LeftOpera
   // time, which every row panel passes over while it is in L2; the whole of a wider B would be
   // read again from L3 or memory for each row panel.
   constexpr Index kChunkFloats = Index{1} << 16;
-  const Index chunk = std::max(S::kNr, kChunkFloats / std::max<Index>(depth, 1) / S::kNr * S::kNr);
-  // With AVX-512, two whole row panels at a time (micro_kernel_avx512<12>): A's 12 rows (12 KiB
-  // at kKc) stay in L1, and each of B's rows loaded serves twelve FMAs.
-  const bool wide = cpu_has_avx512f();
+  const Index chunk =
+      std::max(2 * S::kNr, kChunkFloats / std::max<Index>(depth, 1) / (2 * S::kNr) * (2 * S::kNr));
+  // With AVX-512, two panels of B a call (micro_kernel_avx512<2>) wherever more than one
+  // panel's columns are left.
+  const Index step = (cpu_has_avx512f() ? 2 : 1) * S::kNr;
   for (Index j0 = 0; j0 < cols; j0 += chunk) {
     const Index chunk_end = std::min(cols, j0 + chunk);
-    for (Index i = 0; i < rows;) {
-      // A pair of panels wherever more than one panel's rows are left: a last pair of 7 to 11
-      // rows costs one call of the 12-row kernel where a panel and a padded one cost two of the
-      // 6-row kernel, which runs at three quarters of its rate.
-      const Index height = std::min((wide ? 2 : 1) * S::kMr, rows - i);
-      const bool pair = height > S::kMr;
-      const float* top = a.packed ? a.data + i * depth : a.data + i * a.row_stride;
-      const float* bottom = a.packed ? top + S::kMr * depth : top + S::kMr * a.row_stride;
+    for (Index i = 0; i < rows; i += S::kMr) {
+      const Index height = std::min(S::kMr, rows - i);
+      const float* a_panel = a.packed ? a.data + i * depth : a.data + i * a.row_stride;
       Index row_step = a.packed ? 1 : a.row_stride, k_step = a.packed ? S::kMr : a.k_step;
-      if (!a.packed && height % S::kMr != 0) {
-        // The last rows of an unpacked A, packed zero-padded to whole panels.
-        const Index size = (pair ? 2 : 1) * S::kMr * depth;
-        if (static_cast<Index>(last_rows.size()) < size) {
-          last_rows.resize(static_cast<std::size_t>(size));
+      if (!a.packed && height < S::kMr) {
+        if (static_cast<Index>(last_rows.size()) < S::kMr * depth) {
+          last_rows.resize(static_cast<std::size_t>(S::kMr * depth));
         }
-        pack_lhs(PackedOperand{top, a.row_stride, a.k_step}, 0, height, 0, depth, last_rows.data());
-        top = last_rows.data();
-        bottom = top + S::kMr * depth;
+        pack_lhs(PackedOperand{a_panel, a.row_stride, a.k_step}, 0, height, 0, depth,
+                 last_rows.data());
+        a_panel = last_rows.data();
         row_step = 1;
         k_step = S::kMr;
       }
-      for (Index j = j0; j < chunk_end; j += S::kNr) {
+      for (Index j = j0; j < chunk_end; j += step) {
         const float* b_panel = b + (j / S::kNr) * b_stride;
-        const Index width = std::min(S::kNr, cols - j);
+        const Index width = std::min(step, chunk_end - j);
+        const bool two = width > S::kNr;
         float* tile = dst + i * ld + j;
-        const bool whole = height % S::kMr == 0 && width == S::kNr;
-        // A partial tile is computed whole into `out` (a panel's in `edge`, a pair's in
-        // pair_edge) and its part copied.
-        float pair_edge[2 * S::kMr * S::kNr];
-        float* out = whole ? tile : pair ? pair_edge : edge;
-        const Index out_ld = whole ? ld : S::kNr;
+        const bool whole = height == S::kMr && width % S::kNr == 0;
+        // A partial tile is computed whole into `out` (one panel's in `edge`, two panels' in
+        // wide_edge) and its part copied.
+        float wide_edge[S::kMr * 2 * S::kNr];
+        float* out = whole ? tile : two ? wide_edge : edge;
+        const Index out_ld = whole ? ld : two ? 2 * S::kNr : S::kNr;
         for (Index r = 0; r < height && !whole && !first; ++r) {
-          std::copy(tile + r * ld, tile + r * ld + width, out + r * S::kNr);
+          std::copy(tile + r * ld, tile + r * ld + width, out + r * out_ld);
         }
-        if (pair) {
-          micro_kernel_avx512<2 * S::kMr>(depth, top, bottom, row_step, k_step, b_panel, S::kNr,
-                                          alpha, first, out, out_ld);
+        if (two) {
+          micro_kernel_avx512<2>(depth, a_panel, row_step, k_step, b_panel, b_stride, S::kNr, alpha,
+                                 first, out, out_ld);
         } else {
-          micro_kernel(depth, top, row_step, k_step, b_panel, S::kNr, alpha, first, out, out_ld);
+          micro_kernel(depth, a_panel, row_step, k_step, b_panel, S::kNr, alpha, first, out,
+                       out_ld);
         }
         for (Index r = 0; r < height && !whole; ++r) {
-          std::copy(out + r * S::kNr, out + r * S::kNr + width, tile + r * ld);
+          std::copy(out + r * out_ld, out + r * out_ld + width, tile + r * ld);
         }
       }
-      i += height;
     }
   }
 #else
