@@ -1,5 +1,6 @@
 // The library's own fp32 GEMM: operands packed into panels and multiplied by a register-blocked
-// micro-kernel, chosen at run time from what the CPU has (AVX2 with FMA for now, see
+// micro-kernel, chosen at run time from what the CPU has: AVX-512 (kMr rows by two panels of kNr
+// columns a call) or AVX2 with FMA (kMr x kNr), whatever Eigen was compiled for (see
 // packed_gemm_available; elsewhere tile_product keeps Eigen's GEMM). Serial: the callers thread
 // it (gemm.hpp's slabs, the attention kernels' tasks).
 //
@@ -10,9 +11,11 @@
 // kMr·kNr sums in registers for the whole slice, the rhs panel (kKc · kNr floats, 16 KiB) in L1
 // and the lhs block (kMc · kKc, 72 KiB) in L2.
 //
-// Why not Eigen's GEMM: on the layer's shapes on this project's AVX2 machine it ran at 10-43 % of
-// the FMA peak where OpenBLAS and oneDNN ran at 35-74 %, and this GEMM at 35-72 %
-// (bench/RESULTS.md, 2026-12-02); and the flash kernel's tiles need a micro-kernel of their own.
+// Why not Eigen's GEMM: on the layer's shapes on an AVX2 machine it ran at 10-43 % of the FMA
+// peak where OpenBLAS and oneDNN ran at 35-74 %, and this GEMM at 35-72 % (bench/RESULTS.md,
+// 2026-12-02); on an AVX-512 machine, the layer's projections took 0.59-0.65 of the time they
+// took on Eigen's GEMM compiled for AVX-512 (2026-12-02, fourth session); and the flash kernel's
+// tiles need a micro-kernel of their own.
 //
 // Rounding: each element of dst gets alpha times each of its kc-slice sums (a chain of FMAs in k
 // order) added by one more FMA, slice after slice. Slices start at multiples of kKc from k = 0 and
