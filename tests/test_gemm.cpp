@@ -182,9 +182,10 @@ TEST_CASE("the AVX-512 and AVX2 micro-kernels give every element the same arithm
       // A as a row-major block (rows depth + 13 floats apart, k_step 1) and packed; B as a
       // row-major block of 2·kNr columns (row stride 2·kNr + 5) and as two packed panels.
       const Index lda = depth + 13, ldb = 2 * kNr + 5;
-      const auto a = mha_test::random_tensor<float>({kMr, lda}, 3 * depth);
-      const auto b = mha_test::random_tensor<float>({depth, ldb}, 3 * depth + 1);
-      const auto old = mha_test::random_tensor<float>({kMr, 2 * kNr}, 3 * depth + 2);
+      const auto seed = static_cast<std::uint64_t>(3 * depth);
+      const auto a = mha_test::random_tensor<float>({kMr, lda}, seed);
+      const auto b = mha_test::random_tensor<float>({depth, ldb}, seed + 1);
+      const auto old = mha_test::random_tensor<float>({kMr, 2 * kNr}, seed + 2);
       const float alpha = first ? 1.0F : 0.7F;
       std::vector<float> packed_a(static_cast<std::size_t>(kMr * depth));
       std::vector<float> packed_b(static_cast<std::size_t>(2 * kNr * depth));

@@ -39,8 +39,9 @@ constexpr Index kDecodeChunk = 240;
 // at H_kv·D = 2048), where one head's rows alone are 512-byte pieces a row apart, each in a page
 // of its own, which the hardware's prefetchers (stopping at page boundaries) do not stream:
 // measured 11 GB/s reading one head's rows at a time against 20 by sub-blocks of whole rows, on
-// two cores that read 17 GB/s in one stream (bench/RESULTS.md, 2026-12-02). One panel of the
-// packed GEMM (kNr keys).
+// two cores that read 17 GB/s in one stream (bench/RESULTS.md, 2026-12-02). Four row panels of
+// the packed GEMM (4·kMr keys); more keys a sub-block where rows are narrow (H_kv = 1 and 4:
+// 48 KiB of them) measured no faster on Zen 5 (2026-12-02, fourth session).
 constexpr Index kDecodeSubBlock = 4 * PackedGemmShape::kMr;
 // Fewer rows per key/value head than this (a query head per key/value head, decoding one token)
 // take dot products: the micro-kernel's 6-row tile would be mostly padding.
