@@ -7,9 +7,9 @@
 // Shapes: dst [M, N] = (or +=) alpha · op(lhs) [M, K] · op(rhs) [K, N], all row-major blocks.
 // Loops (BLIS's order): for each kKc-deep slice of K, pack op(rhs)'s slice [kc, N] into panels of
 // kNr columns (k-major: kNr values per k); for each kMc rows of op(lhs), pack them into panels of
-// kMr rows (kMr values per k); then each (kMr x kNr) tile of dst is one micro-kernel call, its
-// kMr·kNr sums in registers for the whole slice, the rhs panel (kKc · kNr floats, 16 KiB) in L1
-// and the lhs block (kMc · kKc, 72 KiB) in L2.
+// kMr rows (kMr values per k); then each (kMr x kNr) tile of dst (two side by side with AVX-512)
+// is one micro-kernel call, its sums in registers for the whole slice, the lhs panel (kKc · kMr
+// floats, 6 KiB) in L1 and the rhs panels streamed past it from L2 (see multiply_panels).
 //
 // Why not Eigen's GEMM: on the layer's shapes on an AVX2 machine it ran at 10-43 % of the FMA
 // peak where OpenBLAS and oneDNN ran at 35-74 %, and this GEMM at 35-72 % (bench/RESULTS.md,
@@ -312,7 +312,7 @@ __attribute__((target("avx512f"), noinline)) inline void micro_kernel_avx512(
     Index depth, const float* a, Index a_row_step, Index a_k_step, const float* b,
     Index b_panel_step, Index b_k_step, float alpha, bool first, float* tile, Index ld) {
   static_assert(Panels == 1 || Panels == 2, "one or two panels of B");
-  constexpr int kRows = PackedGemmShape::kMr;
+  constexpr Index kRows = PackedGemmShape::kMr;
   if (!first) {
     for (Index r = 0; r < kRows; ++r) {
       for (Index p = 0; p < Panels; ++p) {
@@ -321,22 +321,22 @@ __attribute__((target("avx512f"), noinline)) inline void micro_kernel_avx512(
     }
   }
   __m512 sums[kRows][Panels];
-  for (int r = 0; r < kRows; ++r) {
-    for (int p = 0; p < Panels; ++p) sums[r][p] = _mm512_setzero_ps();
+  for (auto& row_sums : sums) {
+    for (__m512& sum : row_sums) sum = _mm512_setzero_ps();
   }
   Index offsets[kRows];
-  for (int r = 0; r < kRows; ++r) offsets[r] = r * a_row_step;
+  for (Index r = 0; r < kRows; ++r) offsets[r] = r * a_row_step;
   for (Index k = 0; k < depth; ++k, a += a_k_step, b += b_k_step) {
     __m512 row[Panels];
-    for (int p = 0; p < Panels; ++p) row[p] = _mm512_loadu_ps(b + p * b_panel_step);
-    for (int r = 0; r < kRows; ++r) {
+    for (Index p = 0; p < Panels; ++p) row[p] = _mm512_loadu_ps(b + p * b_panel_step);
+    for (Index r = 0; r < kRows; ++r) {
       const __m512 x = _mm512_set1_ps(a[offsets[r]]);
-      for (int p = 0; p < Panels; ++p) sums[r][p] = _mm512_fmadd_ps(x, row[p], sums[r][p]);
+      for (Index p = 0; p < Panels; ++p) sums[r][p] = _mm512_fmadd_ps(x, row[p], sums[r][p]);
     }
   }
   const __m512 scale = _mm512_set1_ps(alpha);
-  for (int r = 0; r < kRows; ++r) {
-    for (int p = 0; p < Panels; ++p) {
+  for (Index r = 0; r < kRows; ++r) {
+    for (Index p = 0; p < Panels; ++p) {
       float* out = tile + r * ld + p * 16;
       const __m512 old = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out);
       _mm512_storeu_ps(out, _mm512_fmadd_ps(scale, sums[r][p], old));
