@@ -468,12 +468,15 @@ void decode(benchmark::State& state) {
 void decode_attention(benchmark::State& state, bool batched) {
   const mha::Index B = state.range(0), kv_heads = state.range(1), context = state.range(2);
   const mha::Index H = 16, D = 128, inner = H * D, width = kv_heads * D;
-  std::vector<float> keys(static_cast<std::size_t>(B * context * width));
-  std::vector<float> values(keys.size());
+  // Aligned as the layer's KV cache is (a Tensor's storage: 64 bytes with AVX-512).
+  mha::detail::AlignedBuffer<float> keys, values;
+  keys.resize(B * context * width);
+  values.resize(keys.size());
   // Arbitrary bounded values, fast to write: gigabytes of normal draws would take minutes.
-  for (std::size_t i = 0; i < keys.size(); ++i) {
-    keys[i] = static_cast<float>(i * 2654435761u % 1000) * 1e-3F - 0.5F;
-    values[i] = static_cast<float>(i * 40503u % 1000) * 1e-3F - 0.5F;
+  for (mha::Index i = 0; i < keys.size(); ++i) {
+    const auto u = static_cast<std::uint64_t>(i);
+    keys.data()[i] = static_cast<float>(u * 2654435761U % 1000) * 1e-3F - 0.5F;
+    values.data()[i] = static_cast<float>(u * 40503U % 1000) * 1e-3F - 0.5F;
   }
   const auto queries = random_tensor({B, inner}, 1);
   mha::Tensor<float> out({B, inner});

@@ -1,8 +1,9 @@
 // The decoding kernel (kernels/decode.hpp), which attends a whole batch of cached sequences in one
 // parallel pass, against the flash kernel run one sequence at a time (the path decode took
 // before it, still taken for prompts) and against the reference kernel in double on the same
-// inputs: sequences of different lengths over several chunks, grouped-query attention on both of
-// its paths (dot products and the packed micro-kernel), a few queries per sequence, windows,
+// inputs: sequences of different lengths over several chunks, grouped-query attention on each of
+// its paths (AVX-512 register blocks of every row count, the packed micro-kernel, dot products;
+// the products of the first also alone against double), a few queries per sequence, windows,
 // ALiBi and softcap, keys and values stored in float, half or bfloat16; and the same results on
 // any number of threads.
 #include <cmath>
@@ -12,6 +13,7 @@
 
 #include "helpers.hpp"
 #include "mha/kernels/decode.hpp"
+#include "mha/kernels/decode_products.hpp"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -59,6 +61,24 @@ std::vector<DecodeCase> cases() {
        false,
        true},
       {"multi-query 4/1, D = 20 (value rows not whole panels)", 4, 1, 20, {300, 17}, {2, 1}},
+      // Groups whose rows end in a block of 3, 2 or 1 (register blocks), D = 48 (P·V's blocks of
+      // 64 columns, then one of 16).
+      {"GQA 6/2 (groups of 3 rows), D = 48, ALiBi",
+       6,
+       2,
+       48,
+       lengths,
+       {1, 1, 0, 1, 1},
+       false,
+       true},
+      {"GQA 4/2, D = 32, 1 to 3 queries (2, 4 and 6 rows), window",
+       4,
+       2,
+       32,
+       {250, 241, 30},
+       {1, 2, 3},
+       true},
+      {"GQA 5/1, D = 16, 1 and 2 queries (5 and 10 rows)", 5, 1, 16, {490, 7}, {1, 2}},
   };
 }
 
@@ -175,9 +195,22 @@ TEST_CASE("the decoding kernel equals the flash kernel one sequence at a time, a
     const auto slopes_double = mha::alibi_slopes<double>(c.heads);
     const auto options = options_for<float>(c, slopes);
     const DecodeShape shape{c.heads, c.kv_heads, c.head_dim, c.head_dim, 0, 0, 0};
-    // Each case runs the path its name says.
-    const bool panels = c.head_dim % 16 == 0 && c.heads / c.kv_heads >= 8;
-    CHECK(mha::detail::decode_panels(shape, 1) == (panels && mha::detail::packed_gemm_available()));
+    // Each case runs the path it was written for on this CPU: the register blocks for two or more
+    // rows per key/value head where D is a multiple of 16 (with AVX-512), else the micro-kernel
+    // from 8 rows (with AVX2 and FMA), else dot products.
+    const Index group = c.heads / c.kv_heads;
+    const bool whole_packets = c.head_dim % 16 == 0;
+    for (const Index n : c.query_counts) {
+      if (n == 0) continue;
+      using mha::detail::DecodePath;
+      auto expected = DecodePath::dots;
+      if (group * n > 1 && whole_packets && mha::detail::value_blocks_available(16, 16)) {
+        expected = DecodePath::blocks;
+      } else if (group * n >= 8 && whole_packets && mha::detail::packed_gemm_available()) {
+        expected = DecodePath::panels;
+      }
+      CHECK(mha::detail::decode_path(shape, n) == expected);
+    }
     const auto decoded = decode_outputs<float>(c, inputs, options);
     for (std::size_t b = 0; b < c.key_counts.size(); ++b) {
       INFO("sequence " << b << ": " << c.query_counts[b] << " queries, " << c.key_counts[b]
@@ -269,4 +302,76 @@ TEST_CASE("a decoding step takes the decoding kernel and gives the full forward'
   const auto full = layer.forward(x, full_options);
   const double largest = static_cast<double>(full.output.flat().cwiseAbs().maxCoeff());
   CHECK_TENSORS_CLOSE_TOL(decoded, full.output, 0.0, 1e-5 * largest);
+}
+
+TEST_CASE("the decoding kernel's products equal double for every block and tail", "[decode]") {
+  // scaled_dot_rows and accumulate_value_rows alone, on rows that end in blocks of 4, 3, 2 and 1,
+  // counts that end in partial key blocks, widths that end in single packets, and rows a stride
+  // apart with columns beyond the product's, on values whose products float holds exactly.
+  using mha::detail::accumulate_value_rows;
+  using mha::detail::prepare_query_rows;
+  using mha::detail::scaled_dot_rows;
+  for (const Index depth : {16, 48, 80, 128}) {
+    for (const Index rows : {1, 2, 3, 4, 5, 7, 9, 16}) {
+      for (const Index count : {1, 3, 4, 9, 24}) {
+        INFO("D = " << depth << ", " << rows << " rows, " << count << " keys");
+        const Index stride = depth + 16, score_stride = count + 5;
+        const auto q = quarters<float>(rows * stride, 1 + static_cast<std::uint64_t>(depth));
+        const auto keys = quarters<float>(count * stride, 2 + static_cast<std::uint64_t>(rows));
+        std::vector<float> prepared(static_cast<std::size_t>(rows * depth));
+        prepare_query_rows(q.data(), stride, rows, depth, prepared.data());
+        std::vector<float> scores(static_cast<std::size_t>(rows * score_stride), -7.0F);
+        // The keys after the first `count` are the next call's (requested, not read).
+        scaled_dot_rows(prepared.data(), rows, keys.data(), stride, count, depth, 0.5F,
+                        scores.data(), score_stride,
+                        mha::detail::RowsAhead{keys.data() + stride, count - 1});
+        bool exact = true, untouched = true;
+        for (Index r = 0; r < rows; ++r) {
+          for (Index j = 0; j < score_stride; ++j) {
+            const float actual = scores[static_cast<std::size_t>(r * score_stride + j)];
+            if (j >= count) {
+              untouched = untouched && actual == -7.0F;
+              continue;
+            }
+            double expected = 0;
+            for (Index d = 0; d < depth; ++d) {
+              expected += static_cast<double>(q[static_cast<std::size_t>(r * stride + d)]) *
+                          static_cast<double>(keys[static_cast<std::size_t>(j * stride + d)]);
+            }
+            exact = exact && static_cast<double>(actual) == 0.5 * expected;
+          }
+        }
+        CHECK(exact);
+        CHECK(untouched);
+
+        // P · V twice, the second accumulating: weights are quarters too.
+        const auto p = quarters<float>(rows * score_stride, 3 + static_cast<std::uint64_t>(count));
+        const auto values = quarters<float>(count * stride, 4);
+        const Index acc_stride = depth + 32;
+        std::vector<float> acc(static_cast<std::size_t>(rows * acc_stride), -7.0F);
+        for (const bool first : {true, false}) {
+          accumulate_value_rows(p.data(), score_stride, rows, values.data(), stride, count, depth,
+                                first, acc.data(), acc_stride);
+        }
+        exact = untouched = true;
+        for (Index r = 0; r < rows; ++r) {
+          for (Index c = 0; c < acc_stride; ++c) {
+            const float actual = acc[static_cast<std::size_t>(r * acc_stride + c)];
+            if (c >= depth) {
+              untouched = untouched && actual == -7.0F;
+              continue;
+            }
+            double expected = 0;
+            for (Index j = 0; j < count; ++j) {
+              expected += static_cast<double>(p[static_cast<std::size_t>(r * score_stride + j)]) *
+                          static_cast<double>(values[static_cast<std::size_t>(j * stride + c)]);
+            }
+            exact = exact && static_cast<double>(actual) == 2 * expected;
+          }
+        }
+        CHECK(exact);
+        CHECK(untouched);
+      }
+    }
+  }
 }

@@ -28,6 +28,7 @@
 
 #include "mha/kernels/common.hpp"
 #include "mha/kernels/convert.hpp"
+#include "mha/kernels/decode_products.hpp"
 #include "mha/kernels/flash.hpp"
 
 namespace mha::detail {
@@ -80,90 +81,27 @@ inline bool decode_kernel_applies(const CoreOptions<float>& options) {
          options.key_padding_mask.kind == MaskKind::none;
 }
 
-// Whether a task multiplies each key/value head's rows (G·n of them) with the packed GEMM's
-// micro-kernel (decode_task): where it runs, for enough rows, and value rows of whole panels.
-inline bool decode_panels(const DecodeShape& shape, Index query_count) {
-  return packed_gemm_available() && shape.group() * query_count >= kDecodePanelsMinRows &&
-         shape.value_dim % PackedGemmShape::kNr == 0;
-}
+// How a task multiplies each key/value head's G·n rows by its cached keys and values
+// (decode_task):
+//   blocks  decode_products.hpp's AVX-512 register blocks: two or more rows, D and Dv multiples
+//           of 16;
+//   panels  the packed GEMM's micro-kernel, where it runs (AVX2 and FMA) and the blocks do not:
+//           kDecodePanelsMinRows rows or more, value rows of whole panels;
+//   dots    dot products and weighted sums a row at a time, elsewhere: among others one row (a
+//           query head per key/value head, decoding one token), which reading the cache bounds.
+// The tests assert which path their cases take.
+enum class DecodePath { dots, panels, blocks };
 
-// scores[j] = scale · q · key_j for `count` keys [count, depth] whose rows are `stride` apart:
-// four keys at a time, so that each packet of q is loaded once for four products.
-inline void scaled_dots(const float* q, const float* keys, Index stride, Index count, Index depth,
-                        float scale, float* scores) {
-  using Eigen::internal::ploadu;
-  using Eigen::internal::pmadd;
-  using Eigen::internal::predux;
-  using Packet = Eigen::internal::packet_traits<float>::type;
-  constexpr Index lanes = Eigen::internal::packet_traits<float>::size;
-  const Index vector_depth = depth / lanes * lanes;
-  Index j = 0;
-  for (; j + 4 <= count; j += 4) {
-    const float* k0 = keys + j * stride;
-    const float* k1 = k0 + stride;
-    const float* k2 = k1 + stride;
-    const float* k3 = k2 + stride;
-    Packet s0 = Eigen::internal::pzero(Packet{}), s1 = s0, s2 = s0, s3 = s0;
-    for (Index d = 0; d < vector_depth; d += lanes) {
-      const Packet x = ploadu<Packet>(q + d);
-      s0 = pmadd(x, ploadu<Packet>(k0 + d), s0);
-      s1 = pmadd(x, ploadu<Packet>(k1 + d), s1);
-      s2 = pmadd(x, ploadu<Packet>(k2 + d), s2);
-      s3 = pmadd(x, ploadu<Packet>(k3 + d), s3);
-    }
-    float dots[4] = {predux(s0), predux(s1), predux(s2), predux(s3)};
-    for (Index d = vector_depth; d < depth; ++d) {
-      dots[0] += q[d] * k0[d];
-      dots[1] += q[d] * k1[d];
-      dots[2] += q[d] * k2[d];
-      dots[3] += q[d] * k3[d];
-    }
-    for (int t = 0; t < 4; ++t) scores[j + t] = scale * dots[t];
+inline DecodePath decode_path(const DecodeShape& shape, Index query_count) {
+  const Index rows = shape.group() * query_count;
+  if (rows > 1 && value_blocks_available(shape.head_dim, shape.value_dim)) {
+    return DecodePath::blocks;
   }
-  for (; j < count; ++j) {
-    const float* k = keys + j * stride;
-    Packet s = Eigen::internal::pzero(Packet{});
-    for (Index d = 0; d < vector_depth; d += lanes) {
-      s = pmadd(ploadu<Packet>(q + d), ploadu<Packet>(k + d), s);
-    }
-    float dot = predux(s);
-    for (Index d = vector_depth; d < depth; ++d) dot += q[d] * k[d];
-    scores[j] = scale * dot;
+  if (packed_gemm_available() && rows >= kDecodePanelsMinRows &&
+      shape.value_dim % PackedGemmShape::kNr == 0) {
+    return DecodePath::panels;
   }
-}
-
-// acc[0, width) += Σ_j weights[j] · values_j[0, width) for `count` value rows `stride` apart: the
-// accumulator held in registers, up to eight packets at a time, across all the rows.
-inline void accumulate_weighted_rows(float* acc, Index width, const float* weights,
-                                     const float* values, Index stride, Index count) {
-  using Eigen::internal::ploadu;
-  using Eigen::internal::pmadd;
-  using Eigen::internal::pset1;
-  using Packet = Eigen::internal::packet_traits<float>::type;
-  constexpr Index lanes = Eigen::internal::packet_traits<float>::size;
-  constexpr Index kPackets = 8;
-  Index d = 0;
-  for (; d + kPackets * lanes <= width; d += kPackets * lanes) {
-    Packet sums[kPackets];
-    for (Index p = 0; p < kPackets; ++p) sums[p] = ploadu<Packet>(acc + d + p * lanes);
-    for (Index j = 0; j < count; ++j) {
-      const Packet w = pset1<Packet>(weights[j]);
-      const float* v = values + j * stride + d;
-      for (Index p = 0; p < kPackets; ++p)
-        sums[p] = pmadd(w, ploadu<Packet>(v + p * lanes), sums[p]);
-    }
-    for (Index p = 0; p < kPackets; ++p) Eigen::internal::pstoreu(acc + d + p * lanes, sums[p]);
-  }
-  for (; d + lanes <= width; d += lanes) {
-    Packet sum = ploadu<Packet>(acc + d);
-    for (Index j = 0; j < count; ++j) {
-      sum = pmadd(pset1<Packet>(weights[j]), ploadu<Packet>(values + j * stride + d), sum);
-    }
-    Eigen::internal::pstoreu(acc + d, sum);
-  }
-  for (; d < width; ++d) {
-    for (Index j = 0; j < count; ++j) acc[d] += weights[j] * values[j * stride + d];
-  }
+  return DecodePath::dots;
 }
 
 // A row's partial state in a task's partials: m, l, then acc [Dv].
@@ -172,10 +110,12 @@ constexpr Index kPartialHeader = 2;
 // One task: every row of sequence `seq` (query head h, query i: row r = h·n + i) against its
 // keys [c0, c0 + cols) of every key/value head. partial is [H·n, 2 + Dv].
 //
-// A key/value head's rows take dot products when they are few (decode_panels), and otherwise
-// the packed GEMM's micro-kernel twice: scoresᵀ = K Qᵀ, the cache's key rows multiplying the
-// group's queries packed once per task (packing the keys instead would transpose each of them),
-// and acc += P V, the probabilities' rows multiplying the cache's value rows as they are.
+// A key/value head's rows (G·n of them) multiply its keys and values as the cache holds them:
+// with AVX-512, by decode_products.hpp's register blocks; elsewhere, by the packed GEMM's
+// micro-kernel where there are enough rows (decode_panels: scoresᵀ = K Qᵀ, the cache's key rows
+// multiplying the group's queries packed once per task, since packing the keys instead would
+// transpose each of them; and acc += P V, the probabilities' rows multiplying the cache's value
+// rows as they are), and otherwise by dot products and weighted sums a row at a time.
 template <class Stored>
 void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, Index c0, Index cols,
                  const CoreOptions<float>& options, KernelScratch<float>& mine, float* partial) {
@@ -185,7 +125,8 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
   const Index group_rows = shape.group() * n;  // key/value head g's: [g·group_rows, +group_rows)
   const Index depth = shape.head_dim, value_dim = shape.value_dim;
   const Index partial_width = kPartialHeader + value_dim;
-  const bool panels = decode_panels(shape, n);
+  const DecodePath path = decode_path(shape, n);
+  const bool blocks = path == DecodePath::blocks, panels = path == DecodePath::panels;
   const Index query_panels = packed_width(group_rows);
   const Index tile_rows = (group_rows + S::kMr - 1) / S::kMr * S::kMr;
   Matrix<float>& scores = mine.scores;    // [H·n + kMr, kDecodeChunk]
@@ -193,6 +134,12 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
   for (Index r = 0; r < rows; ++r) {
     const float* q = seq.queries + (r % n) * shape.query_stride + (r / n) * depth;
     std::copy(q, q + depth, queries.data() + r * depth);
+  }
+  if (blocks) {
+    for (Index g = 0; g < shape.kv_heads; ++g) {
+      prepare_query_rows(queries.data() + g * group_rows * depth, depth, group_rows, depth,
+                         mine.packed_queries.data() + g * group_rows * depth);
+    }
   }
   if (panels) {
     for (Index g = 0; g < shape.kv_heads; ++g) {
@@ -202,6 +149,12 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
   }
   const auto visible = [&](Index r) {
     return options.may_see(r / n, n, r % n, r % n, c0, c0 + cols);
+  };
+  // Whether row r's scores need masks() here: ALiBi, a window, or causal masking that hides some
+  // of the chunk's keys from it (a step's earlier queries). A one-token step sees every key.
+  const auto needs_masks = [&](Index r) {
+    return options.alibi_slopes != nullptr || options.window.active() ||
+           (options.causal != Causal::none && options.visible_end(n, r % n) < c0 + cols);
   };
   // A sub-block of rows [j0, j0 + count) of the chunk's keys or values, as float rows `stride`
   // apart: the cache's own rows, or a 16-bit cache's widened into `tile`.
@@ -228,6 +181,20 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
     constexpr Index kLine = 64 / static_cast<Index>(sizeof(Stored));
     for (Index j = c0 + j0; j < c0 + j0 + count; ++j) {
       for (Index d = 0; d < width; d += kLine) __builtin_prefetch(base + j * shape.kv_stride + d);
+    }
+  };
+
+  // The float cache's rows [c0 + j0, +kDecodeSubBlock) of one key/value head (its columns
+  // from `column`), which the register blocks request while they multiply the rows before.
+  // (Widened 16-bit rows are in cache already.)
+  const auto rows_ahead = [&](const Stored* base, Index j0, Index column) {
+    if constexpr (std::is_same_v<Stored, float>) {
+      if (group_rows < 4) return RowsAhead{};
+      return RowsAhead{base + (c0 + j0) * shape.kv_stride + column,
+                       std::min(kDecodeSubBlock, cols - j0)};
+    } else {
+      arguments_unused(base, j0, column);
+      return RowsAhead{};
     }
   };
 
@@ -260,10 +227,11 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
           }
         }
       } else {
-        for (Index r = r0; r < r0 + group_rows; ++r) {
-          scaled_dots(queries.data() + r * depth, head_keys, stride, count, depth, options.scale,
-                      &scores(r, j0));
-        }
+        scaled_dot_rows((blocks ? mine.packed_queries.data() : queries.data()) + r0 * depth,
+                        group_rows, head_keys, stride, count, depth, options.scale, &scores(r0, j0),
+                        scores.outerStride(),
+                        j0 + count < cols ? rows_ahead(seq.keys, j0 + count, g * depth)
+                                          : rows_ahead(seq.values, 0, g * value_dim));
       }
     }
   }
@@ -271,7 +239,6 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
   // pass 2: softcap, masks, and each row's softmax over the chunk.
   for (Index r = 0; r < rows; ++r) {
     float* state = partial + r * partial_width;
-    std::fill(state + kPartialHeader, state + partial_width, 0.0F);
     state[0] = kNegInf;
     state[1] = 0.0F;
     auto row = scores.row(r).head(cols);
@@ -282,23 +249,16 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
     if (options.softcap > 0.0F) {
       row = (options.softcap * (row.array() / options.softcap).tanh()).matrix();
     }
-    if (options.any_mask()) {
+    if (needs_masks(r)) {
       Eigen::Map<Matrix<float>> mask_tile(mine.exps.data(), 1, cols);
       options.masks(0, r / n, n, r % n, c0, mask_tile);
       row += mask_tile;
     }
-    float row_max = kNegInf;
-    bool nan = false;
-    for (Index j = 0; j < cols; ++j) {
-      if (row(j) > row_max) {
-        row_max = row(j);
-      } else if (std::isnan(row(j))) {
-        nan = true;
-      }
-    }
+    const float row_max = row.maxCoeff();
     if (row_max == kNegInf) {
-      // No visible key here; a NaN score must still reach the output (as the flash kernel's).
-      if (nan) state[1] = std::numeric_limits<float>::quiet_NaN();
+      // No visible key here; a NaN score must still reach the output (as the flash kernel's),
+      // which the maximum may have skipped. (Beside a finite score, a NaN reaches the sum.)
+      if (row.hasNaN()) state[1] = std::numeric_limits<float>::quiet_NaN();
       row.setZero();
       continue;
     }
@@ -308,8 +268,9 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
   // The rows after the last, which the micro-kernel's last tile of a group may reach: finite.
   if (panels) scores.middleRows(rows, S::kMr).setZero();
 
-  // pass 3: acc += p v, a sub-block of values at a time for every key/value head; the panels'
-  // sums in acc ([H_kv · tile_rows, Dv]: each group's rows padded to whole micro-tiles).
+  // pass 3: acc += p v, a sub-block of values at a time for every key/value head; the sums in
+  // acc, [H·n, Dv] (the panels': [H_kv · tile_rows, Dv], each group's rows padded to whole
+  // micro-tiles).
   for (Index j0 = 0; j0 < cols; j0 += kDecodeSubBlock) {
     const Index count = std::min(kDecodeSubBlock, cols - j0);
     if (j0 + count < cols) {
@@ -344,18 +305,17 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
         }
 #endif
       } else {
-        for (Index r = r0; r < r0 + group_rows; ++r) {
-          accumulate_weighted_rows(partial + r * partial_width + kPartialHeader, value_dim,
-                                   &scores(r, j0), head_values, stride, count);
-        }
+        accumulate_value_rows(
+            &scores(r0, j0), scores.outerStride(), group_rows, head_values, stride, count,
+            value_dim, j0 == 0, &mine.acc(r0, 0), mine.acc.outerStride(),
+            j0 + count < cols ? rows_ahead(seq.values, j0 + count, g * value_dim) : RowsAhead{});
       }
     }
   }
-  if (panels) {
-    for (Index r = 0; r < rows; ++r) {
-      const float* sums = &mine.acc((r / group_rows) * tile_rows + r % group_rows, 0);
-      std::copy(sums, sums + value_dim, partial + r * partial_width + kPartialHeader);
-    }
+  for (Index r = 0; r < rows; ++r) {
+    const Index acc_row = panels ? (r / group_rows) * tile_rows + r % group_rows : r;
+    const float* sums = &mine.acc(acc_row, 0);
+    std::copy(sums, sums + value_dim, partial + r * partial_width + kPartialHeader);
   }
 }
 

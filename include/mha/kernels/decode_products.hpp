@@ -1,0 +1,372 @@
+// The decoding kernel's two products, for the few rows that share a key/value head's cached keys
+// and values (its G query heads, each with the sequence's n new queries):
+//   scores [rows, count] = scale · q [rows, D] · keys [count, D]ᵀ   (scaled_dot_rows)
+//   acc [rows, Dv] (= or +=) p [rows, count] · values [count, Dv]    (accumulate_value_rows)
+// Keys and values are the cache's rows as they are (a key/value head's slice of each row, a row
+// stride apart), read in order, never packed: a decoding step reads each of them once.
+//
+// With AVX-512 (chosen at run time, for D and Dv multiples of 16) both are register blocks: the
+// scores as blocks of up to 4 rows × 4 keys (or 2 × 8, 1 × 8), each a chain of FMAs along D per
+// (row, key) in its own register, summed across lanes once per block (reduce_sixteen); P·V as
+// blocks of up to 4 rows × 64 columns of acc (2 × 128), each value row's packets loaded once for
+// every row of the block. In L1, one thread, Zen 5, they ran at 97 % (4 × 4 scores, D = 128) and
+// 100 % (4 × 64 P·V) of the FMA peak, where the packed GEMM's micro-kernel on the same shapes
+// (16 query heads, one panel of scoresᵀ, and 6-row tiles of P·V) ran at 84 % and 88 %
+// (bench/RESULTS.md, 2026-12-03). Elsewhere, dot products and weighted sums a row at a time.
+#pragma once
+
+#include <algorithm>
+
+#include "mha/kernels/packed_gemm.hpp"
+#include "mha/tensor.hpp"
+
+namespace mha::detail {
+
+// scores[j] = scale · q · key_j for `count` keys [count, depth] whose rows are `stride` apart:
+// four keys at a time, so that each packet of q is loaded once for four products.
+inline void scaled_dots(const float* q, const float* keys, Index stride, Index count, Index depth,
+                        float scale, float* scores) {
+  using Eigen::internal::ploadu;
+  using Eigen::internal::pmadd;
+  using Eigen::internal::predux;
+  using Packet = Eigen::internal::packet_traits<float>::type;
+  constexpr Index lanes = Eigen::internal::packet_traits<float>::size;
+  const Index vector_depth = depth / lanes * lanes;
+  Index j = 0;
+  for (; j + 4 <= count; j += 4) {
+    const float* k0 = keys + j * stride;
+    const float* k1 = k0 + stride;
+    const float* k2 = k1 + stride;
+    const float* k3 = k2 + stride;
+    Packet s0 = Eigen::internal::pzero(Packet{}), s1 = s0, s2 = s0, s3 = s0;
+    for (Index d = 0; d < vector_depth; d += lanes) {
+      const Packet x = ploadu<Packet>(q + d);
+      s0 = pmadd(x, ploadu<Packet>(k0 + d), s0);
+      s1 = pmadd(x, ploadu<Packet>(k1 + d), s1);
+      s2 = pmadd(x, ploadu<Packet>(k2 + d), s2);
+      s3 = pmadd(x, ploadu<Packet>(k3 + d), s3);
+    }
+    float dots[4] = {predux(s0), predux(s1), predux(s2), predux(s3)};
+    for (Index d = vector_depth; d < depth; ++d) {
+      dots[0] += q[d] * k0[d];
+      dots[1] += q[d] * k1[d];
+      dots[2] += q[d] * k2[d];
+      dots[3] += q[d] * k3[d];
+    }
+    for (int t = 0; t < 4; ++t) scores[j + t] = scale * dots[t];
+  }
+  for (; j < count; ++j) {
+    const float* k = keys + j * stride;
+    Packet s = Eigen::internal::pzero(Packet{});
+    for (Index d = 0; d < vector_depth; d += lanes) {
+      s = pmadd(ploadu<Packet>(q + d), ploadu<Packet>(k + d), s);
+    }
+    float dot = predux(s);
+    for (Index d = vector_depth; d < depth; ++d) dot += q[d] * k[d];
+    scores[j] = scale * dot;
+  }
+}
+
+// acc[0, width) += Σ_j weights[j] · values_j[0, width) for `count` value rows `stride` apart: the
+// accumulator held in registers, up to eight packets at a time, across all the rows.
+inline void accumulate_weighted_rows(float* acc, Index width, const float* weights,
+                                     const float* values, Index stride, Index count) {
+  using Eigen::internal::ploadu;
+  using Eigen::internal::pmadd;
+  using Eigen::internal::pset1;
+  using Packet = Eigen::internal::packet_traits<float>::type;
+  constexpr Index lanes = Eigen::internal::packet_traits<float>::size;
+  constexpr Index kPackets = 8;
+  Index d = 0;
+  for (; d + kPackets * lanes <= width; d += kPackets * lanes) {
+    Packet sums[kPackets];
+    for (Index p = 0; p < kPackets; ++p) sums[p] = ploadu<Packet>(acc + d + p * lanes);
+    for (Index j = 0; j < count; ++j) {
+      const Packet w = pset1<Packet>(weights[j]);
+      const float* v = values + j * stride + d;
+      for (Index p = 0; p < kPackets; ++p)
+        sums[p] = pmadd(w, ploadu<Packet>(v + p * lanes), sums[p]);
+    }
+    for (Index p = 0; p < kPackets; ++p) Eigen::internal::pstoreu(acc + d + p * lanes, sums[p]);
+  }
+  for (; d + lanes <= width; d += lanes) {
+    Packet sum = ploadu<Packet>(acc + d);
+    for (Index j = 0; j < count; ++j) {
+      sum = pmadd(pset1<Packet>(weights[j]), ploadu<Packet>(values + j * stride + d), sum);
+    }
+    Eigen::internal::pstoreu(acc + d, sum);
+  }
+  for (; d < width; ++d) {
+    for (Index j = 0; j < count; ++j) acc[d] += weights[j] * values[j * stride + d];
+  }
+}
+
+#ifdef MHA_PACKED_GEMM_X86
+// A packet loaded into a register of its own. GCC 12 otherwise folds the load into every FMA
+// that reads it (a memory operand each: four loads where one was written), and the loads then
+// bound the block: the 4 × 64 P·V block ran at 41 % of the peak that way, at 96 % loaded once.
+// (An empty asm holding the loaded value instead kept the blocks' packets on the stack.)
+__attribute__((target("avx512f"), always_inline)) inline __m512 load_once(const float* p) {
+  __m512 packet;
+  asm("vmovups %1, %0" : "=v"(packet) : "m"(*reinterpret_cast<const __m512*>(p)));
+  return packet;
+}
+
+// The sums across lanes of sixteen packets, in one packet: lane 4c + t holds the sum of
+// v[4t + c]. Four rounds, each adding pairs of halves (256-bit, 128-bit, 64-bit, 32-bit) of two
+// packets into one: 30 shuffles and 15 additions for sixteen sums, beside the 128 FMAs that form
+// them at D = 128.
+__attribute__((target("avx512f"), always_inline)) inline __m512 reduce_sixteen(
+    const __m512 (&v)[16]) {
+  __m512 halves[8];  // lanes 0-7: v[2i]'s partial sums, 8-15: v[2i + 1]'s
+  for (int i = 0; i < 8; ++i) {
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                              _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  }
+  __m512 quarters[4];  // 128-bit chunk c: v[4i + c]'s partial sums
+  for (int i = 0; i < 4; ++i) {
+    quarters[i] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0x88),
+                                _mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0xDD));
+  }
+  __m512 pairs[2];  // chunk c, lanes 0-1: v[8i + c]'s, lanes 2-3: v[8i + 4 + c]'s
+  for (int i = 0; i < 2; ++i) {
+    pairs[i] = _mm512_add_ps(_mm512_shuffle_ps(quarters[2 * i], quarters[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(quarters[2 * i], quarters[2 * i + 1], 0xEE));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(pairs[0], pairs[1], 0x88),
+                       _mm512_shuffle_ps(pairs[0], pairs[1], 0xDD));
+}
+
+// The rows that the next call will read (the cache's, in the layout of the current ones), or
+// none: requested from memory while the current ones are multiplied, so that the lines of a
+// sub-block are on their way before its products wait for them.
+struct RowsAhead {
+  const float* rows = nullptr;
+  Index count = 0;
+};
+
+// out[r · out_stride + j] = scale · q_r · key_j for r < Rows and j < valid (at most Keys): q as
+// packets of its Rows rows in turn ([depth / 16, Rows, 16], see prepare_query_rows), the keys'
+// rows key_stride apart, depth a multiple of 16. A key past `valid` repeats the last one (its
+// sums are not stored). Row r's key j sums in packet 4 (j % 4) + r · (Keys / 4) + j / 4, so
+// that reduce_sixteen leaves the block row-major: lane r · Keys + j.
+template <int Rows, int Keys>
+__attribute__((target("avx512f"), always_inline)) inline void scaled_dot_block(
+    Index depth, const float* q, const float* keys, Index key_stride, Index valid, float scale,
+    float* out, Index out_stride, const float* ahead) {
+  static_assert(Keys % 4 == 0 && Rows * Keys <= 16, "a block's sums fill at most 16 packets");
+  __m512 sums[16];
+  for (__m512& sum : sums) sum = _mm512_setzero_ps();
+  const float* key[Keys];
+  for (int j = 0; j < Keys; ++j) key[j] = keys + std::min<Index>(j, valid - 1) * key_stride;
+  for (Index d = 0; d < depth; d += 16, q += 16 * Rows) {
+    __m512 k[Keys];
+    for (int j = 0; j < Keys; ++j) k[j] = load_once(key[j] + d);
+    if (ahead != nullptr) {
+      for (int j = 0; j < Keys; ++j) {
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + j * key_stride + d), _MM_HINT_T0);
+      }
+    }
+    for (int r = 0; r < Rows; ++r) {
+      const __m512 x = load_once(q + 16 * r);
+      for (int j = 0; j < Keys; ++j) {
+        __m512& sum = sums[4 * (j % 4) + r * (Keys / 4) + j / 4];
+        sum = _mm512_fmadd_ps(x, k[j], sum);
+      }
+    }
+  }
+  // Row r's lanes [r · Keys, + valid) stored where its scores go, by a masked store of the
+  // whole packet from Keys floats before them per row (out_stride >= Keys: inside `out`'s rows).
+  // (Through an array and scalar copies they took a fifth of the block's time.)
+  const __m512 result = _mm512_mul_ps(_mm512_set1_ps(scale), reduce_sixteen(sums));
+  const auto row_mask = static_cast<__mmask16>((1U << valid) - 1);
+  for (int r = 0; r < Rows; ++r) {
+    _mm512_mask_storeu_ps(out + r * (out_stride - Keys),
+                          static_cast<__mmask16>(row_mask << (r * Keys)), result);
+  }
+}
+
+// acc[r · acc_stride + c] = (first ? 0 : acc) + Σ_j p[r · p_stride + j] · values_j[c] for r <
+// Rows and c < 16 · Panels, j < count: value rows value_stride apart, each packet of a row loaded
+// once for all the block's rows.
+template <int Rows, int Panels>
+__attribute__((target("avx512f"), always_inline)) inline void value_block(
+    Index count, const float* p, Index p_stride, const float* values, Index value_stride,
+    bool first, float* acc, Index acc_stride, const RowsAhead& ahead) {
+  static_assert(Rows * Panels <= 16, "a block's sums fill at most 16 registers");
+  __m512 sums[Rows][Panels];
+  for (int r = 0; r < Rows; ++r) {
+    for (int c = 0; c < Panels; ++c) {
+      sums[r][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + r * acc_stride + 16 * c);
+    }
+  }
+  for (Index j = 0; j < count; ++j) {
+    __m512 v[Panels];
+    for (int c = 0; c < Panels; ++c) v[c] = load_once(values + j * value_stride + 16 * c);
+    if (j < ahead.count) {
+      for (int c = 0; c < Panels; ++c) {
+        _mm_prefetch(reinterpret_cast<const char*>(ahead.rows + j * value_stride + 16 * c),
+                     _MM_HINT_T0);
+      }
+    }
+    for (int r = 0; r < Rows; ++r) {
+      const __m512 weight = _mm512_set1_ps(p[r * p_stride + j]);
+      for (int c = 0; c < Panels; ++c) sums[r][c] = _mm512_fmadd_ps(weight, v[c], sums[r][c]);
+    }
+  }
+  for (int r = 0; r < Rows; ++r) {
+    for (int c = 0; c < Panels; ++c) _mm512_storeu_ps(acc + r * acc_stride + 16 * c, sums[r][c]);
+  }
+}
+
+// scaled_dot_rows for `Rows` rows: blocks of Keys keys along the count, each block's keys in the
+// next call's rows requested before it. Not inlined: inlined into the decoding task, GCC 12
+// kept the blocks' registers on the stack.
+template <int Rows, int Keys>
+__attribute__((target("avx512f"), noinline)) void scaled_dot_rows_of(
+    const float* q, const float* keys, Index key_stride, Index count, Index depth, float scale,
+    float* scores, Index score_stride, RowsAhead ahead) {
+  MHA_ASSERT(Rows == 1 || score_stride >= Keys);  // scaled_dot_block's masked stores
+  for (Index j = 0; j < count; j += Keys) {
+    // A block requests the next call's rows of the same keys, where it has them all.
+    const bool request = ahead.rows != nullptr && j + Keys <= ahead.count;
+    scaled_dot_block<Rows, Keys>(depth, q, keys + j * key_stride, key_stride,
+                                 std::min<Index>(Keys, count - j), scale, scores + j, score_stride,
+                                 request ? ahead.rows + j * key_stride : nullptr);
+  }
+}
+
+// accumulate_value_rows for `Rows` rows: blocks of Panels packets along the width, then single
+// packets; each block's columns of the next call's rows requested before it.
+template <int Rows, int Panels>
+__attribute__((target("avx512f"), noinline)) void accumulate_value_rows_of(
+    const float* p, Index p_stride, const float* values, Index value_stride, Index count,
+    Index width, bool first, float* acc, Index acc_stride, RowsAhead ahead) {
+  const auto shifted = [&](Index c) {
+    return ahead.rows != nullptr ? RowsAhead{ahead.rows + c, ahead.count} : RowsAhead{};
+  };
+  Index c = 0;
+  for (; c + 16 * Panels <= width; c += 16 * Panels) {
+    value_block<Rows, Panels>(count, p, p_stride, values + c, value_stride, first, acc + c,
+                              acc_stride, shifted(c));
+  }
+  for (; c < width; c += 16) {
+    value_block<Rows, 1>(count, p, p_stride, values + c, value_stride, first, acc + c, acc_stride,
+                         shifted(c));
+  }
+}
+#endif
+
+// Whether scaled_dot_rows and accumulate_value_rows run as AVX-512 register blocks here, for
+// heads of depth D and Dv.
+inline bool value_blocks_available(Index depth, Index value_dim) {
+#ifdef MHA_PACKED_GEMM_X86
+  return cpu_has_avx512f() && depth % 16 == 0 && value_dim % 16 == 0;
+#else
+  arguments_unused(depth, value_dim);
+  return false;
+#endif
+}
+
+// The query rows that scaled_dot_rows reads, from `rows` rows [rows, depth] src_stride apart into
+// `out` ([rows, depth] floats): as they are, or for the register blocks, each block of (up to)
+// four rows interleaved packet by packet, [depth / 16, rows of the block, 16], so that one
+// pointer reaches every row of a block.
+inline void prepare_query_rows(const float* src, Index src_stride, Index rows, Index depth,
+                               float* out) {
+  if (!value_blocks_available(depth, depth) || rows == 1) {
+    for (Index r = 0; r < rows; ++r) {
+      std::copy(src + r * src_stride, src + r * src_stride + depth, out + r * depth);
+    }
+    return;
+  }
+  for (Index r0 = 0; r0 < rows; r0 += 4) {
+    const Index block = std::min<Index>(4, rows - r0);
+    float* packets = out + r0 * depth;
+    for (Index r = 0; r < block; ++r) {
+      const float* row = src + (r0 + r) * src_stride;
+      for (Index d = 0; d < depth; d += 16) {
+        std::copy(row + d, row + d + 16, packets + d * block + r * 16);
+      }
+    }
+  }
+}
+
+// scores[r · score_stride + j] = scale · q_r · key_j for r < rows, j < count: q as
+// prepare_query_rows left it, the keys' rows key_stride apart (see the top); ahead, the keys
+// the next call will read.
+inline void scaled_dot_rows(const float* q, Index rows, const float* keys, Index key_stride,
+                            Index count, Index depth, float scale, float* scores,
+                            Index score_stride, const RowsAhead& ahead = {}) {
+#ifdef MHA_PACKED_GEMM_X86
+  if (rows > 1 && value_blocks_available(depth, depth)) {
+    // The first block of rows requests the next keys; the others find them in cache.
+    Index r = 0;
+    for (; r + 4 <= rows; r += 4) {
+      scaled_dot_rows_of<4, 4>(q + r * depth, keys, key_stride, count, depth, scale,
+                               scores + r * score_stride, score_stride,
+                               r == 0 ? ahead : RowsAhead{});
+    }
+    const Index left = rows - r;
+    const float* q_left = q + r * depth;
+    float* scores_left = scores + r * score_stride;
+    const RowsAhead left_ahead = r == 0 ? ahead : RowsAhead{};
+    if (left == 3) {
+      scaled_dot_rows_of<3, 4>(q_left, keys, key_stride, count, depth, scale, scores_left,
+                               score_stride, left_ahead);
+    } else if (left == 2) {
+      scaled_dot_rows_of<2, 8>(q_left, keys, key_stride, count, depth, scale, scores_left,
+                               score_stride, left_ahead);
+    } else if (left == 1) {
+      scaled_dot_rows_of<1, 8>(q_left, keys, key_stride, count, depth, scale, scores_left,
+                               score_stride, left_ahead);
+    }
+    return;
+  }
+#endif
+  arguments_unused(ahead);
+  for (Index r = 0; r < rows; ++r) {
+    scaled_dots(q + r * depth, keys, key_stride, count, depth, scale, scores + r * score_stride);
+  }
+}
+
+// acc[r · acc_stride + c] = (first ? 0 : acc) + Σ_j p[r · p_stride + j] · values_j[c] for r <
+// rows, c < width, j < count: value rows value_stride apart (see the top); ahead, the values the
+// next call will read.
+inline void accumulate_value_rows(const float* p, Index p_stride, Index rows, const float* values,
+                                  Index value_stride, Index count, Index width, bool first,
+                                  float* acc, Index acc_stride, const RowsAhead& ahead = {}) {
+#ifdef MHA_PACKED_GEMM_X86
+  if (rows > 1 && value_blocks_available(width, width)) {
+    Index r = 0;
+    for (; r + 4 <= rows; r += 4) {
+      accumulate_value_rows_of<4, 4>(p + r * p_stride, p_stride, values, value_stride, count, width,
+                                     first, acc + r * acc_stride, acc_stride,
+                                     r == 0 ? ahead : RowsAhead{});
+    }
+    const Index left = rows - r;
+    const float* p_left = p + r * p_stride;
+    float* acc_left = acc + r * acc_stride;
+    const RowsAhead left_ahead = r == 0 ? ahead : RowsAhead{};
+    if (left == 3) {
+      accumulate_value_rows_of<3, 4>(p_left, p_stride, values, value_stride, count, width, first,
+                                     acc_left, acc_stride, left_ahead);
+    } else if (left == 2) {
+      accumulate_value_rows_of<2, 8>(p_left, p_stride, values, value_stride, count, width, first,
+                                     acc_left, acc_stride, left_ahead);
+    } else if (left == 1) {
+      accumulate_value_rows_of<1, 8>(p_left, p_stride, values, value_stride, count, width, first,
+                                     acc_left, acc_stride, left_ahead);
+    }
+    return;
+  }
+#endif
+  arguments_unused(ahead);
+  for (Index r = 0; r < rows; ++r) {
+    float* row = acc + r * acc_stride;
+    if (first) std::fill(row, row + width, 0.0F);
+    accumulate_weighted_rows(row, width, p + r * p_stride, values, value_stride, count);
+  }
+}
+
+}  // namespace mha::detail
