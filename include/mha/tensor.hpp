@@ -28,6 +28,10 @@
 
 #include "mha/errors.hpp"
 
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
+
 namespace mha {
 
 template <class T>
@@ -117,9 +121,29 @@ T* offset_pointer(T* p, Index offset) {
   return p == nullptr ? p : p + offset;
 }
 
+// Arrays of at least this many bytes start on a 2 MiB boundary and, on Linux, are advised for
+// transparent huge pages (madvise, before anything touches them): a KV cache read at every
+// decoding step walks gigabytes, and on 4 KiB pages a step of 32 sequences × 16384 tokens
+// (8 GiB) read 9 GB/s where the same cache on huge pages read 44, the in-run memory read
+// bandwidth (bench/RESULTS.md, 2026-12-03). PyTorch's CPU allocator does the same where its
+// THP_MEM_ALLOC_ENABLE is set. Where the kernel's THP setting is "never", the advice is ignored.
+constexpr std::size_t kHugePageBytes = std::size_t{1} << 21;
+constexpr std::size_t kHugePageMinBytes = 2 * kHugePageBytes;
+
+inline void advise_huge_pages(void* memory, std::size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  // Advice, not a requirement: a kernel without THP refuses it, and the array stays as it is.
+  static_cast<void>(madvise(memory, bytes, MADV_HUGEPAGE));
+#else
+  static_cast<void>(memory);
+  static_cast<void>(bytes);
+#endif
+}
+
 // A tensor's elements: an aligned array for vectorised kernels (Eigen's alignment, 64 bytes with
-// AVX-512), deep-copied like an Eigen vector. Not an Eigen vector itself, so that a Tensor of a
-// new element type does not instantiate Eigen's matrix classes in every file that names it.
+// AVX-512; 2 MiB and huge pages from kHugePageMinBytes), deep-copied like an Eigen vector. Not an
+// Eigen vector itself, so that a Tensor of a new element type does not instantiate Eigen's
+// matrix classes in every file that names it.
 template <class T>
 class AlignedBuffer {
   static_assert(std::is_trivially_destructible_v<T> && std::is_trivially_copyable_v<T>,
@@ -167,7 +191,8 @@ class AlignedBuffer {
       if (static_cast<std::size_t>(n) > std::numeric_limits<std::size_t>::max() / sizeof(T)) {
         throw std::bad_alloc();
       }
-      void* memory = ::operator new (bytes(n), std::align_val_t{kAlignment});
+      void* memory = ::operator new (bytes(n), std::align_val_t{alignment(n)});
+      if (bytes(n) >= kHugePageMinBytes) advise_huge_pages(memory, bytes(n));
       data_ = static_cast<T*>(memory);
       std::uninitialized_default_construct_n(data_, n);
     }
@@ -176,8 +201,11 @@ class AlignedBuffer {
 
  private:
   static std::size_t bytes(Index n) { return static_cast<std::size_t>(n) * sizeof(T); }
+  static std::size_t alignment(Index n) {
+    return bytes(n) >= kHugePageMinBytes ? kHugePageBytes : kAlignment;
+  }
   void release() {
-    if (data_ != nullptr) ::operator delete (data_, std::align_val_t{kAlignment});
+    if (data_ != nullptr) ::operator delete (data_, std::align_val_t{alignment(size_)});
     data_ = nullptr;
     size_ = 0;
   }
