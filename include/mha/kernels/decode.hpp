@@ -44,6 +44,11 @@ constexpr Index kDecodeChunk = 240;
 // the packed GEMM (4·kMr keys); more keys a sub-block where rows are narrow (H_kv = 1 and 4:
 // 48 KiB of them) measured no faster on Zen 5 (2026-12-02, fourth session).
 constexpr Index kDecodeSubBlock = 4 * PackedGemmShape::kMr;
+// The register blocks' sub-blocks (decode_path's blocks, groups of two or more rows): 8 keys,
+// each block requesting the next 8 keys' lines as it multiplies. Against 24, with groups of 4
+// and 16 rows: 0.75-0.82 of the time at five of six sizes of 16384 cached tokens, no faster at
+// 2048 (minima of alternated runs, bench/RESULTS.md 2026-12-03).
+constexpr Index kDecodeBlocksSubBlock = 8;
 // Fewer rows per key/value head than this (a query head per key/value head, decoding one token)
 // take dot products: the micro-kernel's 6-row tile would be mostly padding.
 constexpr Index kDecodePanelsMinRows = 8;
@@ -127,6 +132,7 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
   const Index partial_width = kPartialHeader + value_dim;
   const DecodePath path = decode_path(shape, n);
   const bool blocks = path == DecodePath::blocks, panels = path == DecodePath::panels;
+  const Index sub_keys = blocks ? kDecodeBlocksSubBlock : kDecodeSubBlock;
   const Index query_panels = packed_width(group_rows);
   const Index tile_rows = (group_rows + S::kMr - 1) / S::kMr * S::kMr;
   Matrix<float>& scores = mine.scores;    // [H·n + kMr, kDecodeChunk]
@@ -184,14 +190,13 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
     }
   };
 
-  // The float cache's rows [c0 + j0, +kDecodeSubBlock) of one key/value head (its columns
+  // The float cache's rows [c0 + j0, +sub_keys) of one key/value head (its columns
   // from `column`), which the register blocks request while they multiply the rows before.
   // (Widened 16-bit rows are in cache already.)
   const auto rows_ahead = [&](const Stored* base, Index j0, Index column) {
     if constexpr (std::is_same_v<Stored, float>) {
       if (group_rows < 4) return RowsAhead{};
-      return RowsAhead{base + (c0 + j0) * shape.kv_stride + column,
-                       std::min(kDecodeSubBlock, cols - j0)};
+      return RowsAhead{base + (c0 + j0) * shape.kv_stride + column, std::min(sub_keys, cols - j0)};
     } else {
       arguments_unused(base, j0, column);
       return RowsAhead{};
@@ -199,13 +204,12 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
   };
 
   // pass 1: scores, a sub-block of keys at a time for every key/value head.
-  for (Index j0 = 0; j0 < cols; j0 += kDecodeSubBlock) {
-    const Index count = std::min(kDecodeSubBlock, cols - j0);
+  for (Index j0 = 0; j0 < cols; j0 += sub_keys) {
+    const Index count = std::min(sub_keys, cols - j0);
     if (j0 + count < cols) {
-      prefetch(seq.keys, j0 + count, std::min(kDecodeSubBlock, cols - j0 - count),
-               shape.kv_heads * depth);
+      prefetch(seq.keys, j0 + count, std::min(sub_keys, cols - j0 - count), shape.kv_heads * depth);
     } else {
-      prefetch(seq.values, 0, std::min(kDecodeSubBlock, cols), shape.kv_heads * value_dim);
+      prefetch(seq.values, 0, std::min(sub_keys, cols), shape.kv_heads * value_dim);
     }
     Index stride = 0;
     const float* keys =
@@ -271,10 +275,10 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
   // pass 3: acc += p v, a sub-block of values at a time for every key/value head; the sums in
   // acc, [H·n, Dv] (the panels': [H_kv · tile_rows, Dv], each group's rows padded to whole
   // micro-tiles).
-  for (Index j0 = 0; j0 < cols; j0 += kDecodeSubBlock) {
-    const Index count = std::min(kDecodeSubBlock, cols - j0);
+  for (Index j0 = 0; j0 < cols; j0 += sub_keys) {
+    const Index count = std::min(sub_keys, cols - j0);
     if (j0 + count < cols) {
-      prefetch(seq.values, j0 + count, std::min(kDecodeSubBlock, cols - j0 - count),
+      prefetch(seq.values, j0 + count, std::min(sub_keys, cols - j0 - count),
                shape.kv_heads * value_dim);
     }
     Index stride = 0;
