@@ -165,7 +165,7 @@ void ceiling_read(benchmark::State& state) {
   ceilings.read_gbs = std::max(ceilings.read_gbs, best);
 }
 
-void forward(benchmark::State& state, mha::Kernel kernel) {
+void forward(benchmark::State& state, mha::Kernel kernel, bool fresh = false) {
   const mha::Index B = state.range(0), L = state.range(1), E = state.range(2), H = state.range(3);
   const mha::MultiHeadAttention<float> layer(E, H);
   const auto x = random_tensor({B, L, E}, 1);
@@ -173,9 +173,18 @@ void forward(benchmark::State& state, mha::Kernel kernel) {
   options.need_weights = false;
   options.kernel = kernel;
   report_peak_memory(state, [&] { benchmark::DoNotOptimize(layer.forward(x, x, x, options)); });
+  // A Workspace and a result kept from call to call, as a serving loop keeps them (and as ONNX
+  // Runtime's arena keeps its buffers); `fresh` (forward_fresh/): forward(x, x, x, options),
+  // which allocates both anew at every call, and the operating system zeroes their pages.
+  mha::Workspace<float> workspace;
+  mha::ForwardResult<float> result;
   for (auto _ : state) {
-    auto result = layer.forward(x, x, x, options);
-    benchmark::DoNotOptimize(result.output.data());
+    if (fresh) {
+      benchmark::DoNotOptimize(layer.forward(x, x, x, options).output.data());
+    } else {
+      layer.forward(x, x, x, options, workspace, result);
+      benchmark::DoNotOptimize(result.output.data());
+    }
   }
   const double n = static_cast<double>(L), e = static_cast<double>(E);
   set_flops(state, static_cast<double>(B) * (8 * n * e * e + 4 * n * n * e));
@@ -468,10 +477,11 @@ void decode(benchmark::State& state) {
 void decode_attention(benchmark::State& state, bool batched) {
   const mha::Index B = state.range(0), kv_heads = state.range(1), context = state.range(2);
   const mha::Index H = 16, D = 128, inner = H * D, width = kv_heads * D;
-  // Aligned as the layer's KV cache is (a Tensor's storage: 64 bytes with AVX-512).
+  // Stored as the layer's KV cache is: a Tensor's storage, aligned (64 bytes with AVX-512) and on
+  // huge pages.
   mha::detail::AlignedBuffer<float> keys, values;
-  keys.resize(B * context * width);
-  values.resize(keys.size());
+  keys.resize(B * context * width, mha::Paging::huge);
+  values.resize(keys.size(), mha::Paging::huge);
   // Arbitrary bounded values, fast to write: gigabytes of normal draws would take minutes.
   for (mha::Index i = 0; i < keys.size(); ++i) {
     const auto u = static_cast<std::uint64_t>(i);
@@ -641,6 +651,9 @@ BENCHMARK_CAPTURE(forward, reference, mha::Kernel::reference)
 BENCHMARK_CAPTURE(forward, flash, mha::Kernel::flash)->Name("forward/flash")->Apply(sweep_shapes);
 BENCHMARK_CAPTURE(forward, auto, mha::Kernel::automatic) -> Name("forward/auto")
     -> Apply(sweep_shapes);
+BENCHMARK_CAPTURE(forward, fresh, mha::Kernel::automatic, true)
+    ->Name("forward_fresh/auto")
+    ->Apply(default_shapes);
 BENCHMARK_CAPTURE(train, reference, mha::Kernel::reference)
     ->Name("train/reference")
     ->Apply(train_reference_shapes);

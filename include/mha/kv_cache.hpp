@@ -61,8 +61,9 @@ class KVCache {
                            : "") +
               ", got " + std::to_string(capacity));
     }
-    keys_.resize({batch, capacity, num_kv_heads * head_dim});
-    values_.resize({batch, capacity, num_kv_heads * head_dim});
+    // On huge pages: every decoding step reads the whole cache (see Paging).
+    keys_.resize({batch, capacity, num_kv_heads * head_dim}, Paging::huge);
+    values_.resize({batch, capacity, num_kv_heads * head_dim}, Paging::huge);
     start_.assign(static_cast<std::size_t>(batch), 0);
     length_.assign(static_cast<std::size_t>(batch), 0);
     position_.assign(static_cast<std::size_t>(batch), 0);

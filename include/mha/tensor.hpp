@@ -121,12 +121,22 @@ T* offset_pointer(T* p, Index offset) {
   return p == nullptr ? p : p + offset;
 }
 
-// Arrays of at least this many bytes start on a 2 MiB boundary and, on Linux, are advised for
-// transparent huge pages (madvise, before anything touches them): a KV cache read at every
-// decoding step walks gigabytes, and on 4 KiB pages a step of 32 sequences × 16384 tokens
-// (8 GiB) read 9 GB/s where the same cache on huge pages read 44, the in-run memory read
-// bandwidth (bench/RESULTS.md, 2026-12-03). PyTorch's CPU allocator does the same where its
-// THP_MEM_ALLOC_ENABLE is set. Where the kernel's THP setting is "never", the advice is ignored.
+}  // namespace detail
+
+// How a tensor's storage is paged. Paging::huge, for an array read again and again (a KV cache,
+// which every decoding step reads whole): from kHugePageMinBytes it starts on a 2 MiB boundary
+// and, on Linux, is advised for transparent huge pages (madvise, before anything touches it). On
+// this machine's 4 KiB pages a step of 32 sequences × 16384 tokens (an 8 GiB cache) read it at
+// 9 GB/s, on huge pages at 44 (bench/RESULTS.md, 2026-12-03): walking the page tables of a
+// virtual machine, not the memory, bounded it. Not the default: arrays allocated afresh at every
+// call (a forward's outputs, a training step's gradients) then pay for zeroing whole 2 MiB pages
+// at each first touch: forward calls 6-11 % and training steps 7-32 % slower here. (PyTorch's CPU
+// allocator advises huge pages where THP_MEM_ALLOC_ENABLE is set.) Where the kernel's THP setting
+// is "never", the advice is ignored.
+enum class Paging { standard, huge };
+
+namespace detail {
+
 constexpr std::size_t kHugePageBytes = std::size_t{1} << 21;
 constexpr std::size_t kHugePageMinBytes = 2 * kHugePageBytes;
 
@@ -141,8 +151,8 @@ inline void advise_huge_pages(void* memory, std::size_t bytes) {
 }
 
 // A tensor's elements: an aligned array for vectorised kernels (Eigen's alignment, 64 bytes with
-// AVX-512; 2 MiB and huge pages from kHugePageMinBytes), deep-copied like an Eigen vector. Not an
-// Eigen vector itself, so that a Tensor of a new element type does not instantiate Eigen's
+// AVX-512; see Paging for huge pages), deep-copied like an Eigen vector, its paging with it. Not
+// an Eigen vector itself, so that a Tensor of a new element type does not instantiate Eigen's
 // matrix classes in every file that names it.
 template <class T>
 class AlignedBuffer {
@@ -156,14 +166,16 @@ class AlignedBuffer {
 
   AlignedBuffer() = default;
   AlignedBuffer(const AlignedBuffer& other) {
-    resize(other.size_);
+    resize(other.size_, other.paging_);
     if (size_ > 0) std::memcpy(data_, other.data_, bytes(size_));
   }
   AlignedBuffer(AlignedBuffer&& other) noexcept
-      : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+      : data_(std::exchange(other.data_, nullptr)),
+        size_(std::exchange(other.size_, 0)),
+        paging_(other.paging_) {}
   AlignedBuffer& operator=(const AlignedBuffer& other) {
     if (this != &other) {
-      resize(other.size_);
+      resize(other.size_, other.paging_);
       if (size_ > 0) std::memcpy(data_, other.data_, bytes(size_));
     }
     return *this;
@@ -173,6 +185,7 @@ class AlignedBuffer {
       release();
       data_ = std::exchange(other.data_, nullptr);
       size_ = std::exchange(other.size_, 0);
+      paging_ = other.paging_;
     }
     return *this;
   }
@@ -182,17 +195,18 @@ class AlignedBuffer {
   const T* data() const { return data_; }
   Index size() const { return size_; }
 
-  // n elements, unspecified (keeps the storage when n does not change).
-  void resize(Index n) {
+  // n elements, unspecified (keeps the storage when n and the paging do not change).
+  void resize(Index n, Paging paging = Paging::standard) {
     MHA_ASSERT(n >= 0);  // callers pass shape_size's checked counts
-    if (n == size_) return;
+    if (n == size_ && paging == paging_) return;
     release();
+    paging_ = paging;
     if (n > 0) {
       if (static_cast<std::size_t>(n) > std::numeric_limits<std::size_t>::max() / sizeof(T)) {
         throw std::bad_alloc();
       }
       void* memory = ::operator new (bytes(n), std::align_val_t{alignment(n)});
-      if (bytes(n) >= kHugePageMinBytes) advise_huge_pages(memory, bytes(n));
+      if (huge(n)) advise_huge_pages(memory, bytes(n));
       data_ = static_cast<T*>(memory);
       std::uninitialized_default_construct_n(data_, n);
     }
@@ -201,9 +215,8 @@ class AlignedBuffer {
 
  private:
   static std::size_t bytes(Index n) { return static_cast<std::size_t>(n) * sizeof(T); }
-  static std::size_t alignment(Index n) {
-    return bytes(n) >= kHugePageMinBytes ? kHugePageBytes : kAlignment;
-  }
+  bool huge(Index n) const { return paging_ == Paging::huge && bytes(n) >= kHugePageMinBytes; }
+  std::size_t alignment(Index n) const { return huge(n) ? kHugePageBytes : kAlignment; }
   void release() {
     if (data_ != nullptr) ::operator delete (data_, std::align_val_t{alignment(size_)});
     data_ = nullptr;
@@ -212,6 +225,7 @@ class AlignedBuffer {
 
   T* data_ = nullptr;
   Index size_ = 0;
+  Paging paging_ = Paging::standard;
 };
 
 }  // namespace detail
@@ -346,11 +360,10 @@ class Tensor {
     shape_ = std::move(shape);
   }
   // Gives the tensor a new shape; the elements are unspecified afterwards. Keeps the storage
-  // when the number of elements does not change, so workspaces reused across calls with the
-  // same shapes do not allocate.
-  void resize(Shape shape) {
-    const Index n = detail::shape_size(shape);
-    if (n != data_.size()) data_.resize(n);
+  // when the number of elements (and the paging) does not change, so workspaces reused across
+  // calls with the same shapes do not allocate.
+  void resize(Shape shape, Paging paging = Paging::standard) {
+    data_.resize(detail::shape_size(shape), paging);
     shape_ = std::move(shape);
   }
 

@@ -176,13 +176,22 @@ __attribute__((target("avx512f"), always_inline)) inline void scaled_dot_block(
     }
   }
   // Row r's lanes [r · Keys, + valid) stored where its scores go, by a masked store of the
-  // whole packet from Keys floats before them per row (out_stride >= Keys: inside `out`'s rows).
-  // (Through an array and scalar copies they took a fifth of the block's time.)
+  // whole packet from Keys floats before them per row, which lie inside `out`'s rows where
+  // out_stride >= Keys (the decoding kernel's score rows: kDecodeChunk). (Through an array and
+  // scalar copies they took a fifth of the block's time.)
   const __m512 result = _mm512_mul_ps(_mm512_set1_ps(scale), reduce_sixteen(sums));
   const auto row_mask = static_cast<__mmask16>((1U << valid) - 1);
+  if (Rows == 1 || out_stride >= Keys) {
+    for (int r = 0; r < Rows; ++r) {
+      _mm512_mask_storeu_ps(out + r * (out_stride - Keys),
+                            static_cast<__mmask16>(row_mask << (r * Keys)), result);
+    }
+    return;
+  }
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, result);
   for (int r = 0; r < Rows; ++r) {
-    _mm512_mask_storeu_ps(out + r * (out_stride - Keys),
-                          static_cast<__mmask16>(row_mask << (r * Keys)), result);
+    for (Index j = 0; j < valid; ++j) out[r * out_stride + j] = lanes[r * Keys + j];
   }
 }
 
@@ -226,7 +235,6 @@ template <int Rows, int Keys>
 __attribute__((target("avx512f"), noinline)) void scaled_dot_rows_of(
     const float* q, const float* keys, Index key_stride, Index count, Index depth, float scale,
     float* scores, Index score_stride, RowsAhead ahead) {
-  MHA_ASSERT(Rows == 1 || score_stride >= Keys);  // scaled_dot_block's masked stores
   for (Index j = 0; j < count; j += Keys) {
     // A block requests the next call's rows of the same keys, where it has them all.
     const bool request = ahead.rows != nullptr && j + Keys <= ahead.count;
