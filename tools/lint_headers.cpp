@@ -22,6 +22,7 @@
 #include "mha/kernels/common.hpp"
 #include "mha/kernels/convert.hpp"
 #include "mha/kernels/decode.hpp"
+#include "mha/kernels/decode_products.hpp"
 #include "mha/kernels/flash.hpp"
 #include "mha/kernels/flash_panels.hpp"
 #include "mha/kernels/flash_small_head.hpp"

@@ -9,10 +9,12 @@
 // scores as blocks of up to 4 rows × 4 keys (or 2 × 8, 1 × 8), each a chain of FMAs along D per
 // (row, key) in its own register, summed across lanes once per block (reduce_sixteen); P·V as
 // blocks of up to 4 rows × 64 columns of acc (2 × 128), each value row's packets loaded once for
-// every row of the block. In L1, one thread, Zen 5, they ran at 97 % (4 × 4 scores, D = 128) and
-// 100 % (4 × 64 P·V) of the FMA peak, where the packed GEMM's micro-kernel on the same shapes
-// (16 query heads, one panel of scoresᵀ, and 6-row tiles of P·V) ran at 84 % and 88 %
-// (bench/RESULTS.md, 2026-12-03). Elsewhere, dot products and weighted sums a row at a time.
+// every row of the block. In L1, one thread, Zen 5, D = 128, 16 query heads (throwaway programs,
+// bench/RESULTS.md 2026-12-03): the 4 × 4 score blocks ran at 90 % of the one-thread FMA peak
+// and the 4 × 64 P·V blocks at 96 %, where scoresᵀ with broadcast keys (the packed GEMM's
+// micro-kernel's form) ran at 71-86 % (8 to 16 keys a tile) and 6-row P·V tiles at 86 %. Used
+// for two or more rows (decode_path); one row takes the dot products and weighted sums below,
+// which a decoding step with one query head per key/value head measured faster.
 #pragma once
 
 #include <algorithm>
@@ -119,22 +121,21 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 load_once(const 
 __attribute__((target("avx512f"), always_inline)) inline __m512 reduce_sixteen(
     const __m512 (&v)[16]) {
   __m512 halves[8];  // lanes 0-7: v[2i]'s partial sums, 8-15: v[2i + 1]'s
-  for (int i = 0; i < 8; ++i) {
-    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                              _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (Index i = 0; i < 8; ++i) {
+    halves[i] = _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44) +
+                _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE);
   }
   __m512 quarters[4];  // 128-bit chunk c: v[4i + c]'s partial sums
-  for (int i = 0; i < 4; ++i) {
-    quarters[i] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0x88),
-                                _mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0xDD));
+  for (Index i = 0; i < 4; ++i) {
+    quarters[i] = _mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0x88) +
+                  _mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0xDD);
   }
   __m512 pairs[2];  // chunk c, lanes 0-1: v[8i + c]'s, lanes 2-3: v[8i + 4 + c]'s
-  for (int i = 0; i < 2; ++i) {
-    pairs[i] = _mm512_add_ps(_mm512_shuffle_ps(quarters[2 * i], quarters[2 * i + 1], 0x44),
-                             _mm512_shuffle_ps(quarters[2 * i], quarters[2 * i + 1], 0xEE));
+  for (Index i = 0; i < 2; ++i) {
+    pairs[i] = _mm512_shuffle_ps(quarters[2 * i], quarters[2 * i + 1], 0x44) +
+               _mm512_shuffle_ps(quarters[2 * i], quarters[2 * i + 1], 0xEE);
   }
-  return _mm512_add_ps(_mm512_shuffle_ps(pairs[0], pairs[1], 0x88),
-                       _mm512_shuffle_ps(pairs[0], pairs[1], 0xDD));
+  return _mm512_shuffle_ps(pairs[0], pairs[1], 0x88) + _mm512_shuffle_ps(pairs[0], pairs[1], 0xDD);
 }
 
 // The rows that the next call will read (the cache's, in the layout of the current ones), or
@@ -150,7 +151,7 @@ struct RowsAhead {
 // rows key_stride apart, depth a multiple of 16. A key past `valid` repeats the last one (its
 // sums are not stored). Row r's key j sums in packet 4 (j % 4) + r · (Keys / 4) + j / 4, so
 // that reduce_sixteen leaves the block row-major: lane r · Keys + j.
-template <int Rows, int Keys>
+template <Index Rows, Index Keys>
 __attribute__((target("avx512f"), always_inline)) inline void scaled_dot_block(
     Index depth, const float* q, const float* keys, Index key_stride, Index valid, float scale,
     float* out, Index out_stride, const float* ahead) {
@@ -158,18 +159,18 @@ __attribute__((target("avx512f"), always_inline)) inline void scaled_dot_block(
   __m512 sums[16];
   for (__m512& sum : sums) sum = _mm512_setzero_ps();
   const float* key[Keys];
-  for (int j = 0; j < Keys; ++j) key[j] = keys + std::min<Index>(j, valid - 1) * key_stride;
+  for (Index j = 0; j < Keys; ++j) key[j] = keys + std::min<Index>(j, valid - 1) * key_stride;
   for (Index d = 0; d < depth; d += 16, q += 16 * Rows) {
     __m512 k[Keys];
-    for (int j = 0; j < Keys; ++j) k[j] = load_once(key[j] + d);
+    for (Index j = 0; j < Keys; ++j) k[j] = load_once(key[j] + d);
     if (ahead != nullptr) {
-      for (int j = 0; j < Keys; ++j) {
+      for (Index j = 0; j < Keys; ++j) {
         _mm_prefetch(reinterpret_cast<const char*>(ahead + j * key_stride + d), _MM_HINT_T0);
       }
     }
-    for (int r = 0; r < Rows; ++r) {
+    for (Index r = 0; r < Rows; ++r) {
       const __m512 x = load_once(q + 16 * r);
-      for (int j = 0; j < Keys; ++j) {
+      for (Index j = 0; j < Keys; ++j) {
         __m512& sum = sums[4 * (j % 4) + r * (Keys / 4) + j / 4];
         sum = _mm512_fmadd_ps(x, k[j], sum);
       }
@@ -179,10 +180,10 @@ __attribute__((target("avx512f"), always_inline)) inline void scaled_dot_block(
   // whole packet from Keys floats before them per row, which lie inside `out`'s rows where
   // out_stride >= Keys (the decoding kernel's score rows: kDecodeChunk). (Through an array and
   // scalar copies they took a fifth of the block's time.)
-  const __m512 result = _mm512_mul_ps(_mm512_set1_ps(scale), reduce_sixteen(sums));
+  const __m512 result = _mm512_set1_ps(scale) * reduce_sixteen(sums);
   const auto row_mask = static_cast<__mmask16>((1U << valid) - 1);
   if (Rows == 1 || out_stride >= Keys) {
-    for (int r = 0; r < Rows; ++r) {
+    for (Index r = 0; r < Rows; ++r) {
       _mm512_mask_storeu_ps(out + r * (out_stride - Keys),
                             static_cast<__mmask16>(row_mask << (r * Keys)), result);
     }
@@ -190,7 +191,7 @@ __attribute__((target("avx512f"), always_inline)) inline void scaled_dot_block(
   }
   alignas(64) float lanes[16];
   _mm512_store_ps(lanes, result);
-  for (int r = 0; r < Rows; ++r) {
+  for (Index r = 0; r < Rows; ++r) {
     for (Index j = 0; j < valid; ++j) out[r * out_stride + j] = lanes[r * Keys + j];
   }
 }
@@ -198,40 +199,40 @@ __attribute__((target("avx512f"), always_inline)) inline void scaled_dot_block(
 // acc[r · acc_stride + c] = (first ? 0 : acc) + Σ_j p[r · p_stride + j] · values_j[c] for r <
 // Rows and c < 16 · Panels, j < count: value rows value_stride apart, each packet of a row loaded
 // once for all the block's rows.
-template <int Rows, int Panels>
+template <Index Rows, Index Panels>
 __attribute__((target("avx512f"), always_inline)) inline void value_block(
     Index count, const float* p, Index p_stride, const float* values, Index value_stride,
     bool first, float* acc, Index acc_stride, const RowsAhead& ahead) {
   static_assert(Rows * Panels <= 16, "a block's sums fill at most 16 registers");
   __m512 sums[Rows][Panels];
-  for (int r = 0; r < Rows; ++r) {
-    for (int c = 0; c < Panels; ++c) {
+  for (Index r = 0; r < Rows; ++r) {
+    for (Index c = 0; c < Panels; ++c) {
       sums[r][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + r * acc_stride + 16 * c);
     }
   }
   for (Index j = 0; j < count; ++j) {
     __m512 v[Panels];
-    for (int c = 0; c < Panels; ++c) v[c] = load_once(values + j * value_stride + 16 * c);
+    for (Index c = 0; c < Panels; ++c) v[c] = load_once(values + j * value_stride + 16 * c);
     if (j < ahead.count) {
-      for (int c = 0; c < Panels; ++c) {
+      for (Index c = 0; c < Panels; ++c) {
         _mm_prefetch(reinterpret_cast<const char*>(ahead.rows + j * value_stride + 16 * c),
                      _MM_HINT_T0);
       }
     }
-    for (int r = 0; r < Rows; ++r) {
+    for (Index r = 0; r < Rows; ++r) {
       const __m512 weight = _mm512_set1_ps(p[r * p_stride + j]);
-      for (int c = 0; c < Panels; ++c) sums[r][c] = _mm512_fmadd_ps(weight, v[c], sums[r][c]);
+      for (Index c = 0; c < Panels; ++c) sums[r][c] = _mm512_fmadd_ps(weight, v[c], sums[r][c]);
     }
   }
-  for (int r = 0; r < Rows; ++r) {
-    for (int c = 0; c < Panels; ++c) _mm512_storeu_ps(acc + r * acc_stride + 16 * c, sums[r][c]);
+  for (Index r = 0; r < Rows; ++r) {
+    for (Index c = 0; c < Panels; ++c) _mm512_storeu_ps(acc + r * acc_stride + 16 * c, sums[r][c]);
   }
 }
 
 // scaled_dot_rows for `Rows` rows: blocks of Keys keys along the count, each block's keys in the
 // next call's rows requested before it. Not inlined: inlined into the decoding task, GCC 12
 // kept the blocks' registers on the stack.
-template <int Rows, int Keys>
+template <Index Rows, Index Keys>
 __attribute__((target("avx512f"), noinline)) void scaled_dot_rows_of(
     const float* q, const float* keys, Index key_stride, Index count, Index depth, float scale,
     float* scores, Index score_stride, RowsAhead ahead) {
@@ -246,7 +247,7 @@ __attribute__((target("avx512f"), noinline)) void scaled_dot_rows_of(
 
 // accumulate_value_rows for `Rows` rows: blocks of Panels packets along the width, then single
 // packets; each block's columns of the next call's rows requested before it.
-template <int Rows, int Panels>
+template <Index Rows, Index Panels>
 __attribute__((target("avx512f"), noinline)) void accumulate_value_rows_of(
     const float* p, Index p_stride, const float* values, Index value_stride, Index count,
     Index width, bool first, float* acc, Index acc_stride, RowsAhead ahead) {
@@ -339,17 +340,17 @@ inline void scaled_dot_rows(const float* q, Index rows, const float* keys, Index
 }
 
 // acc[r · acc_stride + c] = (first ? 0 : acc) + Σ_j p[r · p_stride + j] · values_j[c] for r <
-// rows, c < width, j < count: value rows value_stride apart (see the top); ahead, the values the
-// next call will read.
+// rows, c < value_dim, j < count: value rows value_stride apart (see the top); ahead, the values
+// the next call will read.
 inline void accumulate_value_rows(const float* p, Index p_stride, Index rows, const float* values,
-                                  Index value_stride, Index count, Index width, bool first,
+                                  Index value_stride, Index count, Index value_dim, bool first,
                                   float* acc, Index acc_stride, const RowsAhead& ahead = {}) {
 #ifdef MHA_PACKED_GEMM_X86
-  if (rows > 1 && value_blocks_available(width, width)) {
+  if (rows > 1 && value_blocks_available(value_dim, value_dim)) {
     Index r = 0;
     for (; r + 4 <= rows; r += 4) {
-      accumulate_value_rows_of<4, 4>(p + r * p_stride, p_stride, values, value_stride, count, width,
-                                     first, acc + r * acc_stride, acc_stride,
+      accumulate_value_rows_of<4, 4>(p + r * p_stride, p_stride, values, value_stride, count,
+                                     value_dim, first, acc + r * acc_stride, acc_stride,
                                      r == 0 ? ahead : RowsAhead{});
     }
     const Index left = rows - r;
@@ -357,14 +358,14 @@ inline void accumulate_value_rows(const float* p, Index p_stride, Index rows, co
     float* acc_left = acc + r * acc_stride;
     const RowsAhead left_ahead = r == 0 ? ahead : RowsAhead{};
     if (left == 3) {
-      accumulate_value_rows_of<3, 4>(p_left, p_stride, values, value_stride, count, width, first,
-                                     acc_left, acc_stride, left_ahead);
+      accumulate_value_rows_of<3, 4>(p_left, p_stride, values, value_stride, count, value_dim,
+                                     first, acc_left, acc_stride, left_ahead);
     } else if (left == 2) {
-      accumulate_value_rows_of<2, 8>(p_left, p_stride, values, value_stride, count, width, first,
-                                     acc_left, acc_stride, left_ahead);
+      accumulate_value_rows_of<2, 8>(p_left, p_stride, values, value_stride, count, value_dim,
+                                     first, acc_left, acc_stride, left_ahead);
     } else if (left == 1) {
-      accumulate_value_rows_of<1, 8>(p_left, p_stride, values, value_stride, count, width, first,
-                                     acc_left, acc_stride, left_ahead);
+      accumulate_value_rows_of<1, 8>(p_left, p_stride, values, value_stride, count, value_dim,
+                                     first, acc_left, acc_stride, left_ahead);
     }
     return;
   }
@@ -372,8 +373,8 @@ inline void accumulate_value_rows(const float* p, Index p_stride, Index rows, co
   arguments_unused(ahead);
   for (Index r = 0; r < rows; ++r) {
     float* row = acc + r * acc_stride;
-    if (first) std::fill(row, row + width, 0.0F);
-    accumulate_weighted_rows(row, width, p + r * p_stride, values, value_stride, count);
+    if (first) std::fill(row, row + value_dim, 0.0F);
+    accumulate_weighted_rows(row, value_dim, p + r * p_stride, values, value_stride, count);
   }
 }
 
