@@ -209,7 +209,7 @@ def main(argv=None):
         meta["torch"] = torch.__version__
     print(f"| B, L, E, H | ONNX Runtime ms | mha ms | {'PyTorch ms | ' if torch else ''}mha / ORT speed-up | "
           f"{'mha / PyTorch speed-up | ' if torch else ''}mha GFLOP/s |")
-    print("|---" * (6 if torch else 4) + "|")
+    print("|---" * (7 if torch else 5) + "|")
     for r in rows:
         torch_cells = f"{r['torch_ms']:.2f} | " if torch else ""
         torch_ratio = f"{r['vs_torch']:.2f} | " if torch else ""
