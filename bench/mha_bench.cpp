@@ -117,12 +117,13 @@ mha::Tensor<float> random_tensor(const mha::Shape& shape, std::uint64_t seed) {
   return t;
 }
 
-// The FMA peak measured around each run of the layer's benchmarks (forward/, train/, sdpa/,
-// projection/): just before it (their Setup, measure_peak_before_run) and just after it
-// (set_flops), the larger of the two. This host's speed changes within minutes (the same
+// The FMA peak measured around each run of the layer's benchmarks (forward/, forward_fresh/,
+// train/, sdpa/, projection/): just before it (their Setup, measure_peak_before_run) and just after
+// it (set_flops), the larger of the two. This host's speed changes within minutes (the same
 // configuration ran at 0.707 and at 0.562 of the run's best peak minutes apart, bench/RESULTS.md
 // 2026-12-03, second session), so a fraction of a peak measured at another moment carries that
-// change as well as the code's; a peak measured beside the run shares the run's host.
+// change as well as the code's; a peak measured beside the run shares the run's CPU time (not its
+// caches' or memory's contention, which an FMA loop does not feel).
 constexpr double kNearbyPeakSeconds = 0.05;
 double g_peak_before_run = 0;
 void measure_peak_before_run(const benchmark::State& /*state*/) {
