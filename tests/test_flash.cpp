@@ -29,6 +29,7 @@ struct Case {
   mha::Window window;
   mha::SparsePattern pattern;
   Index query_block, key_block;
+  Index query_chunk = 0;        // the backward's queries a chunk; 0: the kernel's own (all here)
   bool small_heads = false;     // let D = Dv in {4, 8, 12, 16} take the small-head kernel
   bool options_allowed = true;  // may draw dropout and softcap (the small-head kernel has neither)
 };
@@ -219,7 +220,7 @@ CaseResults<T> run_case(const Case& c, std::uint64_t seed,
       layout(flash[0].data(), c.query_len, c.head_dim),
       layout(flash[1].data(), total_keys, c.head_dim),
       layout(flash[2].data(), total_keys, c.value_dim), core, scratch,
-      {c.query_block, c.key_block});
+      {c.query_block, c.key_block, false, c.query_chunk});
   return results;
 }
 
@@ -371,6 +372,9 @@ TEMPLATE_TEST_CASE("flash equals reference for random options and tiny blocks", 
     randomise_options(c, random, 0.5, 6, 1.0 / 3);
     c.query_block = pick(1, 8);
     c.key_block = pick(1, 8);
+    // The backward in chunks of one to three query blocks in half the cases (no draw, so the
+    // cases stay those the rounding bounds were measured on).
+    c.query_chunk = trial % 2 == 0 ? 0 : c.query_block * (1 + trial % 3);
     check_case<TestType>(c, 1000 + static_cast<std::uint64_t>(trial), scratch, exact_scratch);
   }
 }
@@ -448,6 +452,7 @@ TEST_CASE("the flash kernels on packed panels equal the product in double", "[fl
     c.query_block = 64;
     c.key_block = 128;
     c.options_allowed = trial % 3 == 2;
+    c.query_chunk = trial % 2 == 1 ? 64 : 0;
     const Paths paths =
         check_case<float>(c, 7000 + static_cast<std::uint64_t>(trial), scratch, exact_scratch);
     panel_runs[0] += paths.forward == mha::detail::FlashPath::panels ? 1 : 0;
@@ -459,6 +464,47 @@ TEST_CASE("the flash kernels on packed panels equal the product in double", "[fl
     CHECK(panel_runs[1] >= 12);
     CHECK(tile_runs >= 1);  // softcap
   }
+}
+
+// The backward takes the queries in chunks (of about 2 MiB of their rows, so that the key
+// blocks re-read them from the cache at long lengths), each chunk visiting every key block. Every
+// gradient element then sums the same tiles in the same order as in one pass, whatever the chunk:
+// the gradients are bit-identical, with every option, on both backward paths.
+TEST_CASE("the flash backward's query chunks do not change its gradients", "[flash][backward]") {
+  mha::Random random(16384);
+  const auto pick = [&](Index low, Index high) {
+    return low + static_cast<Index>(random.uniform() * static_cast<double>(high - low + 1));
+  };
+  const Index head_dims[] = {3, 20, 64};
+  std::vector<mha::detail::KernelScratch<float>> scratch;
+  int chunked_runs = 0;
+  for (int trial = 0; trial < 24; ++trial) {
+    Case c{};
+    c.batch = pick(1, 2);
+    c.heads = pick(1, 3);
+    c.query_len = pick(1, 300);
+    c.key_len = pick(1, 300);
+    c.extra_keys = pick(0, 2);
+    c.head_dim = c.value_dim = head_dims[pick(0, 2)];
+    randomise_options(c, random, 0.3, 150, 0.2);
+    c.query_block = trial % 2 == 0 ? 64 : pick(1, 40);
+    c.key_block = 128;
+    c.options_allowed = trial % 3 == 2;
+    const std::uint64_t seed = 9000 + static_cast<std::uint64_t>(trial);
+    const CaseResults<float> whole = run_case<float>(c, seed, scratch);
+    c.query_chunk = c.query_block * pick(1, 3);
+    chunked_runs += c.query_chunk < c.query_len ? 1 : 0;
+    const CaseResults<float> chunked = run_case<float>(c, seed, scratch);
+    INFO(whole.description << ", chunks of " << c.query_chunk);
+    for (int g = 0; g < 3; ++g) {
+      INFO("gradient " << g);
+      REQUIRE(chunked.flash_grads[g].shape() == whole.flash_grads[g].shape());
+      CHECK(std::equal(whole.flash_grads[g].data(),
+                       whole.flash_grads[g].data() + whole.flash_grads[g].size(),
+                       chunked.flash_grads[g].data()));
+    }
+  }
+  CHECK(chunked_runs >= 12);
 }
 
 // The small-head kernel's own exp (exp_shifted), against exp in double over every multiple of

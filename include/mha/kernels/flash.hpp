@@ -41,6 +41,8 @@ struct FlashBlocks {
   Index query = 96;
   Index key = 256;
   bool small_heads = true;
+  // The backward's queries a chunk (see backward_query_chunk); 0 takes about 2 MiB of their rows.
+  Index query_chunk = 0;
 };
 constexpr FlashBlocks kBackwardBlocks{96, 192};
 
@@ -323,6 +325,20 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
 // blocks inner. One thread owns all of a task's gradients, so there are no write races and the
 // result does not depend on the number of threads. (FlashAttention splits a head over key blocks
 // and adds dQ atomically; with H·B tasks for two cores, one per head suffices.)
+// The backward's query chunk: every key block of a head reads the rows of its queries, output
+// gradients, their packed panels and dQ (3·D + 2·Dv elements a query), so the key blocks take the
+// queries a chunk of about 2 MiB of those rows at a time, which stays in the last-level cache
+// as L grows. At L = 8192, D = 64 (10 MiB of them a head) the backward ran 1.04-1.12 times as
+// fast in chunks of 1024 or 2048 queries as over all of them, and at the rate it had at L = 4096
+// (bench/RESULTS.md, 2026-12-04). A whole number of query blocks, so the tiles stay the same.
+template <class T>
+Index backward_query_chunk(Index head_dim, Index value_dim, Index query_block) {
+  constexpr Index kChunkBytes = Index{2} << 20;
+  const Index row_bytes = static_cast<Index>(sizeof(T)) * (3 * head_dim + 2 * value_dim);
+  return std::max<Index>(1, kChunkBytes / std::max<Index>(1, row_bytes) / query_block) *
+         query_block;
+}
+
 template <class T>
 void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T>& q,
                               const HeadLayout<const T>& k, const HeadLayout<const T>& v,
@@ -342,6 +358,9 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
   constexpr bool kFloat = std::is_same_v<T, float>;
   [[maybe_unused]] constexpr Index nr = PackedGemmShape::kNr;
   const bool panels = flash_backward_path(options) == FlashPath::panels;
+  const Index query_chunk = blocks.query_chunk > 0
+                                ? blocks.query_chunk
+                                : backward_query_chunk<T>(q.cols, v.cols, blocks.query);
   scratch_for_threads(scratch);
   MHA_OMP_PRAGMA(omp parallel if (worth_threads(tasks, work))) {
     KernelScratch<T>& mine = scratch[static_cast<std::size_t>(thread_index())];
@@ -368,14 +387,15 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
         const T* lse = logsumexp + (b * heads + h) * query_len;
         mine.row_dot = (grad_out_bh.array() * out.at(b, h).array()).rowwise().sum().matrix();
         grad_q_bh.setZero();
+        Index chunk_begin = 0, chunk_end = 0;
 
         const auto key_block = [&](Index j0, Index cols) {
           const auto k_blk = k_bh.middleRows(j0, cols);
           const auto v_blk = v_bh.middleRows(j0, cols);
           auto grad_k_blk = grad_k_bh.middleRows(j0, cols);
           auto grad_v_blk = grad_v_bh.middleRows(j0, cols);
-          for (Index i0 = 0; i0 < query_len; i0 += blocks.query) {
-            const Index rows = std::min(blocks.query, query_len - i0);
+          for (Index i0 = chunk_begin; i0 < chunk_end; i0 += blocks.query) {
+            const Index rows = std::min(blocks.query, chunk_end - i0);
             const bool masked_tile = any_mask && j0 < masked_keys;
             if (masked_tile && !options.may_see(h, query_len, i0, i0 + rows - 1, j0, j0 + cols)) {
               continue;  // causal masking, the window or the pattern hides this block
@@ -479,7 +499,13 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
             }
           }
         };
-        for_each_key_block(options, h, key_len, query_len, 0, query_len - 1, blocks.key, key_block);
+        // Every chunk visits the key blocks of the whole query range, so that each dQ and dK
+        // element sums the same tiles in the same order as one pass over all the queries would.
+        for (chunk_begin = 0; chunk_begin < query_len; chunk_begin = chunk_end) {
+          chunk_end = std::min(query_len, chunk_begin + query_chunk);
+          for_each_key_block(options, h, key_len, query_len, 0, query_len - 1, blocks.key,
+                             key_block);
+        }
       }
     }
   }
