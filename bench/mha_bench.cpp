@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <iterator>
 #include <set>
 #include <string>
@@ -500,9 +501,13 @@ void decode(benchmark::State& state) {
 // fill in a benchmark's time: B = range(0) sequences of context = range(2) cached tokens, one new
 // query each, H = 16 query heads of D = 128 over H_kv = range(1) key/value heads, the float cache
 // [B, context, H_kv·D] filled with arbitrary values. `batched` runs the decoding kernel
-// (kernels/decode.hpp, what a step runs); otherwise the flash kernel one sequence at a time, as
-// steps did before it. GB_per_s counts the cache's bytes, each read once.
-void decode_attention(benchmark::State& state, bool batched) {
+// (kernels/decode.hpp, what a step runs); `per_sequence` the flash kernel one sequence at a time,
+// as steps did before it; `read_only` reads the same cache with no arithmetic (an XOR fold, as
+// ceiling/memory_read's, straight through on all threads): what the kernel's own bytes read at.
+// GB_per_s counts the cache's bytes, each read once; GFLOPS the products (2·(D + Dv) a query
+// head and cached token).
+enum class DecodeRun { batched, per_sequence, read_only };
+void decode_attention(benchmark::State& state, DecodeRun run) {
   const mha::Index B = state.range(0), kv_heads = state.range(1), context = state.range(2);
   const mha::Index H = 16, D = 128, inner = H * D, width = kv_heads * D;
   // Stored as the layer's KV cache is: a Tensor's storage, aligned (64 bytes with AVX-512) and on
@@ -531,10 +536,21 @@ void decode_attention(benchmark::State& state, bool batched) {
                          context});
   }
   const mha::detail::DecodeShape shape{H, kv_heads, D, D, inner, inner, width};
+  std::uint32_t folded = 0;
+  const auto fold = [&folded](const float* data, mha::Index size) {
+    std::uint32_t bits = 0;
+    MHA_OMP_PRAGMA(omp parallel for schedule(static) reduction(^ : bits))
+    for (mha::Index i = 0; i < size; ++i) {
+      std::uint32_t word = 0;
+      std::memcpy(&word, data + i, sizeof word);
+      bits ^= word;
+    }
+    folded ^= bits;
+  };
   for (auto _ : state) {
-    if (batched) {
+    if (run == DecodeRun::batched) {
       mha::detail::decode_attention(sequences, shape, core, scratch, buffers);
-    } else {
+    } else if (run == DecodeRun::per_sequence) {
       for (mha::Index b = 0; b < B; ++b) {
         const mha::detail::HeadLayout<const float> q{queries.data() + b * inner, 0, D, inner, 1, D};
         const mha::detail::HeadLayout<const float> k{
@@ -544,11 +560,49 @@ void decode_attention(benchmark::State& state, bool batched) {
         const mha::detail::HeadLayout<float> o{out.data() + b * inner, 0, D, inner, 1, D};
         mha::detail::attention_flash<float>(1, H, q, k, v, o, core, scratch);
       }
+    } else {
+      fold(keys.data(), keys.size());
+      fold(values.data(), values.size());
     }
     benchmark::DoNotOptimize(out.data());
+    benchmark::DoNotOptimize(folded);
   }
   set_bytes_read(state, 4.0 * 2 * static_cast<double>(B * context * width));
+  if (run != DecodeRun::read_only) {
+    set_flops(state, 2.0 * static_cast<double>(B * H * context) * static_cast<double>(D + D));
+  }
   state.counters["cache_MiB"] = 8.0 * static_cast<double>(B * context * width) / (1024.0 * 1024.0);
+}
+
+// The flash backward alone (mha::detail::attention_flash_backward), B = 1, H = 8, D = 64,
+// L = S = range(0), the queries taken in chunks of range(1) (0: the kernel's own choice,
+// backward_query_chunk; -1: all L at once). Where the chunks pay: at long L the query-side rows
+// each key block re-reads (q, dO, their packed panels, dQ) outgrow the last-level cache.
+void flash_backward(benchmark::State& state) {
+  const mha::Index H = 8, D = 64, L = state.range(0);
+  const auto q = random_tensor({1, H, L, D}, 1), k = random_tensor({1, H, L, D}, 2),
+             v = random_tensor({1, H, L, D}, 3), grad_out = random_tensor({1, H, L, D}, 4);
+  mha::Tensor<float> out({1, H, L, D}), logsumexp({1, H, L});
+  mha::Tensor<float> grad_q(q.shape()), grad_k(k.shape()), grad_v(v.shape());
+  mha::detail::CoreOptions<float> core;
+  core.causal_cols = L;
+  core.scale = 1.0F / std::sqrt(static_cast<float>(D));
+  std::vector<mha::detail::KernelScratch<float>> scratch;
+  const auto heads = [H, L, D](auto* data) { return mha::detail::contiguous_heads(data, H, L, D); };
+  const auto q_heads = heads(q.data()), k_heads = heads(k.data()), v_heads = heads(v.data());
+  mha::detail::attention_flash<float>(1, H, q_heads, k_heads, v_heads, heads(out.data()), core,
+                                      scratch, logsumexp.data());
+  mha::detail::FlashBlocks blocks = mha::detail::kBackwardBlocks;
+  blocks.query_chunk = state.range(1) < 0 ? L : state.range(1);
+  for (auto _ : state) {
+    mha::detail::attention_flash_backward<float>(
+        1, H, q_heads, k_heads, v_heads, heads(static_cast<const float*>(out.data())),
+        heads(grad_out.data()), logsumexp.data(), heads(grad_q.data()), heads(grad_k.data()),
+        heads(grad_v.data()), core, scratch, blocks);
+    benchmark::DoNotOptimize(grad_q.data());
+  }
+  // Recomputing S and dP, then P·dO, dS·K and dSᵀ·Q: five products of 2·L·S·D.
+  set_flops(state, 10.0 * static_cast<double>(H * D) * static_cast<double>(L * L));
 }
 
 // The same layer (H_kv = range(1)) taking a prompt of range(0) tokens, B = 1: all at once (one
@@ -734,15 +788,34 @@ BENCHMARK(decode)
     ->ArgNames({"B", "H_kv", "context"})
     ->ArgsProduct({{1, 8}, {16, 8, 4, 2, 1}, {16, 2048}})
     ->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(decode_attention, batched, true)
+BENCHMARK_CAPTURE(decode_attention, batched, DecodeRun::batched)
     ->Name("decode_attention/batched")
     ->ArgNames({"B", "H_kv", "context"})
     ->ArgsProduct({{1, 8, 32}, {16, 4, 1}, {2048, 16384}})
     ->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(decode_attention, per_sequence, false)
+BENCHMARK_CAPTURE(decode_attention, per_sequence, DecodeRun::per_sequence)
     ->Name("decode_attention/per_sequence")
     ->ArgNames({"B", "H_kv", "context"})
     ->ArgsProduct({{1, 8, 32}, {16, 4, 1}, {2048, 16384}})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(decode_attention, read_only, DecodeRun::read_only)
+    ->Name("decode_attention/read_only")
+    ->ArgNames({"B", "H_kv", "context"})
+    ->ArgsProduct({{8}, {16, 4, 1}, {16384}})
+    ->Unit(benchmark::kMillisecond);
+// The kernel's arithmetic rate with its cache in the last-level cache (8 MiB at B = 8): what it
+// would read at if memory were free, to set beside its rate from memory.
+BENCHMARK_CAPTURE(decode_attention, in_cache, DecodeRun::batched)
+    ->Name("decode_attention/batched_in_cache")
+    ->ArgNames({"B", "H_kv", "context"})
+    ->Args({8, 16, 64})
+    ->Args({8, 4, 256})
+    ->Args({8, 1, 1024})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(flash_backward)
+    ->Name("flash_backward")
+    ->ArgNames({"L", "chunk"})
+    ->ArgsProduct({{4096, 8192}, {0, -1}})
     ->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(prefill, prefill, false)
     ->Name("prefill/all_at_once")
