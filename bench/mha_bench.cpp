@@ -16,6 +16,7 @@
 #include <array>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -101,6 +102,31 @@ void* memalign(std::size_t alignment, std::size_t size) {
 
 namespace {
 
+// Wall-clock seconds of a benchmark's timed loop, for its rates. Google Benchmark's own rate
+// counters divide by the main thread's CPU time, which leaves out the time that thread sleeps at
+// an OpenMP barrier waiting for the other one: the flash backward's GFLOPS came out 1.13 times its
+// wall-clock rate (bench/RESULTS.md, 2026-12-04). Started just before the loop; pause() and
+// resume() go with State::PauseTiming and ResumeTiming.
+class WallClock {
+ public:
+  void pause() { elapsed_ += std::chrono::steady_clock::now() - started_; }
+  void resume() { started_ = std::chrono::steady_clock::now(); }
+  double seconds() const {
+    return std::chrono::duration<double>(elapsed_ + (std::chrono::steady_clock::now() - started_))
+        .count();
+  }
+
+ private:
+  std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::duration elapsed_{};
+};
+
+// amount_per_iteration × iterations / the loop's wall-clock seconds.
+double per_second(const benchmark::State& state, const WallClock& wall,
+                  double amount_per_iteration) {
+  return amount_per_iteration * static_cast<double>(state.iterations()) / wall.seconds();
+}
+
 // Runs call once outside the timing and reports the most memory it held beyond the baseline.
 template <class Call>
 void report_peak_memory(benchmark::State& state, Call&& call) {
@@ -138,30 +164,25 @@ void forget_peak_before_run(const benchmark::State& /*state*/) {
 // GFLOPS; of_fma_peak, that rate as a fraction of the best FMA peak measured in this run (the
 // strict ceiling); and, for the benchmarks that measure one before their run, of_nearby_fma_peak,
 // the fraction of the peak measured around the run (nearby_fma_peak_GFLOPS).
-void set_flops(benchmark::State& state, double flops_per_iteration) {
-  state.counters["GFLOPS"] =
-      benchmark::Counter(flops_per_iteration * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["of_fma_peak"] =
-      benchmark::Counter(flops_per_iteration * 1e-9 / mha_bench::ceilings().fma_gflops,
-                         benchmark::Counter::kIsIterationInvariantRate);
+void set_flops(benchmark::State& state, const WallClock& wall, double flops_per_iteration) {
+  const double gflops = per_second(state, wall, flops_per_iteration * 1e-9);
+  state.counters["GFLOPS"] = gflops;
+  state.counters["of_fma_peak"] = gflops / mha_bench::ceilings().fma_gflops;
   if (g_peak_before_run > 0) {
     const double nearby =
         std::max(g_peak_before_run, mha_bench::fma_peak_gflops(kNearbyPeakSeconds));
     g_peak_before_run = 0;
     state.counters["nearby_fma_peak_GFLOPS"] = nearby;
-    state.counters["of_nearby_fma_peak"] = benchmark::Counter(
-        flops_per_iteration * 1e-9 / nearby, benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["of_nearby_fma_peak"] = gflops / nearby;
   }
 }
 
 // GB_per_s read, and of_read_bandwidth: that rate as a fraction of the memory read bandwidth
 // measured in this run.
-void set_bytes_read(benchmark::State& state, double bytes_per_iteration) {
-  state.counters["GB_per_s"] =
-      benchmark::Counter(bytes_per_iteration * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["of_read_bandwidth"] =
-      benchmark::Counter(bytes_per_iteration * 1e-9 / mha_bench::ceilings().read_gbs,
-                         benchmark::Counter::kIsIterationInvariantRate);
+void set_bytes_read(benchmark::State& state, const WallClock& wall, double bytes_per_iteration) {
+  const double gbs = per_second(state, wall, bytes_per_iteration * 1e-9);
+  state.counters["GB_per_s"] = gbs;
+  state.counters["of_read_bandwidth"] = gbs / mha_bench::ceilings().read_gbs;
 }
 
 // The ceilings as benchmarks of their own (ceiling/...), run first: each repetition measures
@@ -207,6 +228,7 @@ void forward(benchmark::State& state, mha::Kernel kernel, bool fresh = false) {
   // which allocates both anew at every call, and the operating system zeroes their pages.
   mha::Workspace<float> workspace;
   mha::ForwardResult<float> result;
+  const WallClock wall;
   for (auto _ : state) {
     if (fresh) {
       benchmark::DoNotOptimize(layer.forward(x, x, x, options).output.data());
@@ -216,7 +238,7 @@ void forward(benchmark::State& state, mha::Kernel kernel, bool fresh = false) {
     }
   }
   const double n = static_cast<double>(L), e = static_cast<double>(E);
-  set_flops(state, static_cast<double>(B) * (8 * n * e * e + 4 * n * n * e));
+  set_flops(state, wall, static_cast<double>(B) * (8 * n * e * e + 4 * n * n * e));
 }
 
 // One training step of self-attention: forward_train(x), then backward with a fixed random
@@ -247,14 +269,17 @@ void train(benchmark::State& state, mha::Kernel kernel) {
   };
   layer.zero_grad();
   report_peak_memory(state, step);
+  WallClock wall;
   for (auto _ : state) {
+    wall.pause();
     state.PauseTiming();
     layer.zero_grad();
     state.ResumeTiming();
+    wall.resume();
     step();
   }
   const double n = static_cast<double>(L), e = static_cast<double>(E);
-  set_flops(state, 3 * static_cast<double>(B) * (8 * n * e * e + 4 * n * n * e));
+  set_flops(state, wall, 3 * static_cast<double>(B) * (8 * n * e * e + 4 * n * n * e));
 }
 
 void sdpa(benchmark::State& state, mha::Kernel kernel) {
@@ -267,12 +292,13 @@ void sdpa(benchmark::State& state, mha::Kernel kernel) {
   report_peak_memory(state, [&] {
     benchmark::DoNotOptimize(mha::scaled_dot_product_attention(q, k, v, options));
   });
+  const WallClock wall;
   for (auto _ : state) {
     auto result = mha::scaled_dot_product_attention(q, k, v, options);
     benchmark::DoNotOptimize(result.output.data());
   }
   const double n = static_cast<double>(L), e = static_cast<double>(E);
-  set_flops(state, static_cast<double>(B) * 4 * n * n * e);
+  set_flops(state, wall, static_cast<double>(B) * 4 * n * n * e);
 }
 
 // The flash kernel's two paths for small heads, the attention core alone (mha::detail): the GEMM
@@ -295,6 +321,7 @@ void small_heads(benchmark::State& state, bool small_head_kernel) {
   const auto q_heads = heads(q.data(), L), k_heads = heads(k.data(), S),
              v_heads = heads(v.data(), S);
   const auto out_heads = heads(out.data(), L);
+  const WallClock wall;
   for (auto _ : state) {
     if (small_head_kernel) {
       mha::detail::attention_flash_small_head<8, float>(
@@ -305,7 +332,7 @@ void small_heads(benchmark::State& state, bool small_head_kernel) {
     }
     benchmark::DoNotOptimize(out.data());
   }
-  set_flops(state, 4.0 * static_cast<double>(H * D * L * S));
+  set_flops(state, wall, 4.0 * static_cast<double>(H * D * L * S));
 }
 
 // Causal sliding-window attention alone (scaled_dot_product_attention, flash kernel), B = 1,
@@ -322,6 +349,7 @@ void window(benchmark::State& state) {
   options.kernel = mha::Kernel::flash;
   options.causal = mha::Causal::top_left;
   options.window = mha::Window{w, 0};
+  const WallClock wall;
   for (auto _ : state) {
     auto result = mha::scaled_dot_product_attention(q, k, v, options);
     benchmark::DoNotOptimize(result.output.data());
@@ -332,7 +360,7 @@ void window(benchmark::State& state) {
   const double pairs =
       w < 0 || w >= L ? n * (n + 1) / 2 : n * (reach + 1) - reach * (reach + 1) / 2;
   state.counters["visible_pairs_M"] = pairs * 1e-6;
-  set_flops(state, 4.0 * static_cast<double>(H * D) * pairs);
+  set_flops(state, wall, 4.0 * static_cast<double>(H * D) * pairs);
 }
 
 // Block-sparse attention alone (sdpa, flash kernel), B = 1, H = 8, D = 64, L = S = 8192, no causal
@@ -357,13 +385,14 @@ void block_sparse(benchmark::State& state) {
       kept += keep ? 1 : 0;
     }
   }
+  const WallClock wall;
   for (auto _ : state) {
     auto result = mha::scaled_dot_product_attention(q, k, v, options);
     benchmark::DoNotOptimize(result.output.data());
   }
   const double pairs = kept * static_cast<double>(block * block);
   state.counters["kept_share"] = kept / static_cast<double>(blocks * blocks);
-  set_flops(state, 4.0 * static_cast<double>(H * D) * pairs);
+  set_flops(state, wall, 4.0 * static_cast<double>(H * D) * pairs);
 }
 
 // Longformer's pattern (sdpa, flash kernel), B = 1, H = 8, D = 64, L = S = 8192: a band of 256
@@ -379,6 +408,7 @@ void global_tokens(benchmark::State& state) {
   options.kernel = mha::Kernel::flash;
   options.window = mha::Window{w, w};
   for (mha::Index t = 0; t < g; ++t) options.pattern.global_tokens.push_back(t);
+  const WallClock wall;
   for (auto _ : state) {
     auto result = mha::scaled_dot_product_attention(q, k, v, options);
     benchmark::DoNotOptimize(result.output.data());
@@ -391,7 +421,7 @@ void global_tokens(benchmark::State& state) {
     pairs += static_cast<double>(end - begin + std::max<mha::Index>(0, std::min(g, begin)));
   }
   state.counters["visible_pairs_M"] = pairs * 1e-6;
-  set_flops(state, 4.0 * static_cast<double>(H * D) * pairs);
+  set_flops(state, wall, 4.0 * static_cast<double>(H * D) * pairs);
 }
 
 // What talking heads cost: a self-attention layer of E = 512, H = 8 forward, B = 4, L = range(0),
@@ -409,12 +439,13 @@ void talking_heads(benchmark::State& state) {
   mha::ForwardOptions<float> options;
   options.need_weights = false;
   options.kernel = mha::Kernel::reference;
+  const WallClock wall;
   for (auto _ : state) {
     auto result = layer.forward(x, x, x, options);
     benchmark::DoNotOptimize(result.output.data());
   }
   const double n = static_cast<double>(L), e = static_cast<double>(E);
-  set_flops(state, static_cast<double>(B) * (8 * n * e * e + 4 * n * n * e));
+  set_flops(state, wall, static_cast<double>(B) * (8 * n * e * e + 4 * n * n * e));
 }
 
 // The same layer stored in T (float, Eigen::half, Eigen::bfloat16), computing in float. Forward
@@ -429,6 +460,7 @@ void precision_forward(benchmark::State& state) {
   mha::ForwardOptions<T> options;
   options.need_weights = false;
   report_peak_memory(state, [&] { benchmark::DoNotOptimize(layer.forward(x, x, x, options)); });
+  const WallClock wall;
   for (auto _ : state) {
     auto result = layer.forward(x, x, x, options);
     benchmark::DoNotOptimize(result.output.data());
@@ -439,7 +471,7 @@ void precision_forward(benchmark::State& state) {
   }
   state.counters["params_MiB"] = bytes / (1024.0 * 1024.0);
   const double n = static_cast<double>(L), e = static_cast<double>(E);
-  set_flops(state, static_cast<double>(B) * (8 * n * e * e + 4 * n * n * e));
+  set_flops(state, wall, static_cast<double>(B) * (8 * n * e * e + 4 * n * n * e));
 }
 
 // Decoding one token of one sequence with a context of range(0) cached tokens, E = 2048, H = 16
@@ -453,13 +485,13 @@ void precision_decode(benchmark::State& state) {
   const auto options = mha::MultiHeadAttention<T>::decode_options();
   layer.decode(mha::tensor_cast<T>(random_tensor({1, context, E}, 1)), cache, options);
   const auto token = mha::tensor_cast<T>(random_tensor({1, 1, E}, 2));
+  const WallClock wall;
   for (auto _ : state) {
     auto result = layer.decode(token, cache, options);
     benchmark::DoNotOptimize(result.output.data());
     cache.rewind(0, context);
   }
-  state.counters["tokens_per_second"] =
-      benchmark::Counter(1, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["tokens_per_second"] = per_second(state, wall, 1);
   const double e = static_cast<double>(E), bytes = sizeof(T);
   state.counters["weights_MiB"] = bytes * 4 * e * e / (1024.0 * 1024.0);
   state.counters["cache_MiB"] = bytes * 2 * static_cast<double>(context) * e / (1024.0 * 1024.0);
@@ -481,20 +513,20 @@ void decode(benchmark::State& state) {
   const auto options = mha::MultiHeadAttention<float>::decode_options();
   layer.decode(random_tensor({B, context, E}, 1), cache, options);  // the prompt, untimed
   const auto token = random_tensor({B, 1, E}, 2);
+  const WallClock wall;
   for (auto _ : state) {
     auto result = layer.decode(token, cache, options);
     benchmark::DoNotOptimize(result.output.data());
     for (mha::Index b = 0; b < B; ++b) cache.rewind(b, context);
   }
-  state.counters["tokens_per_second"] =
-      benchmark::Counter(static_cast<double>(B), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["tokens_per_second"] = per_second(state, wall, static_cast<double>(B));
   const double d = static_cast<double>(E / H), e = static_cast<double>(E);
   const double kv = static_cast<double>(kv_heads) * d;
   const double weight_bytes = 4.0 * (2 * e * e + 2 * kv * e);
   const double cache_bytes = 4.0 * static_cast<double>(B) * 2 * static_cast<double>(context) * kv;
   state.counters["weights_MiB"] = weight_bytes / (1024.0 * 1024.0);
   state.counters["cache_MiB"] = cache_bytes / (1024.0 * 1024.0);
-  set_bytes_read(state, weight_bytes + cache_bytes);
+  set_bytes_read(state, wall, weight_bytes + cache_bytes);
 }
 
 // The attention of one decoding step alone (mha::detail), at sizes whose caches a prompt could not
@@ -547,6 +579,7 @@ void decode_attention(benchmark::State& state, DecodeRun run) {
     }
     folded ^= bits;
   };
+  const WallClock wall;
   for (auto _ : state) {
     if (run == DecodeRun::batched) {
       mha::detail::decode_attention(sequences, shape, core, scratch, buffers);
@@ -567,9 +600,9 @@ void decode_attention(benchmark::State& state, DecodeRun run) {
     benchmark::DoNotOptimize(out.data());
     benchmark::DoNotOptimize(folded);
   }
-  set_bytes_read(state, 4.0 * 2 * static_cast<double>(B * context * width));
+  set_bytes_read(state, wall, 4.0 * 2 * static_cast<double>(B * context * width));
   if (run != DecodeRun::read_only) {
-    set_flops(state, 2.0 * static_cast<double>(B * H * context) * static_cast<double>(D + D));
+    set_flops(state, wall, 2.0 * static_cast<double>(B * H * context) * static_cast<double>(D + D));
   }
   state.counters["cache_MiB"] = 8.0 * static_cast<double>(B * context * width) / (1024.0 * 1024.0);
 }
@@ -594,6 +627,7 @@ void flash_backward(benchmark::State& state) {
                                       scratch, logsumexp.data());
   mha::detail::FlashBlocks blocks = mha::detail::kBackwardBlocks;
   blocks.query_chunk = state.range(1) < 0 ? L : state.range(1);
+  const WallClock wall;
   for (auto _ : state) {
     mha::detail::attention_flash_backward<float>(
         1, H, q_heads, k_heads, v_heads, heads(static_cast<const float*>(out.data())),
@@ -602,7 +636,7 @@ void flash_backward(benchmark::State& state) {
     benchmark::DoNotOptimize(grad_q.data());
   }
   // Recomputing S and dP, then P·dO, dS·K and dSᵀ·Q: five products of 2·L·S·D.
-  set_flops(state, 10.0 * static_cast<double>(H * D) * static_cast<double>(L * L));
+  set_flops(state, wall, 10.0 * static_cast<double>(H * D) * static_cast<double>(L * L));
 }
 
 // The same layer (H_kv = range(1)) taking a prompt of range(0) tokens, B = 1: all at once (one
@@ -621,6 +655,7 @@ void prefill(benchmark::State& state, bool token_by_token) {
   for (mha::Index i = 0; i < n && token_by_token; ++i) {
     tokens.push_back(random_tensor({1, 1, E}, 10 + static_cast<std::uint64_t>(i)));
   }
+  const WallClock wall;
   for (auto _ : state) {
     cache.clear();
     if (token_by_token) {
@@ -631,8 +666,7 @@ void prefill(benchmark::State& state, bool token_by_token) {
       benchmark::DoNotOptimize(layer.decode(prompt, cache, options).output.data());
     }
   }
-  state.counters["tokens_per_second"] =
-      benchmark::Counter(static_cast<double>(n), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["tokens_per_second"] = per_second(state, wall, static_cast<double>(n));
 }
 
 void gemm(benchmark::State& state) {
@@ -640,11 +674,13 @@ void gemm(benchmark::State& state) {
   const mha::Matrix<float> a = random_tensor({n, n}, 1).matrix(),
                            b = random_tensor({n, n}, 2).matrix();
   mha::Matrix<float> c(n, n);
+  const WallClock wall;
   for (auto _ : state) {
     c.noalias() = a * b;
     benchmark::DoNotOptimize(c.data());
   }
-  set_flops(state, 2.0 * static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(n));
+  set_flops(state, wall,
+            2.0 * static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(n));
 }
 
 // The layer's own product, as its projections run it (kernels/gemm.hpp: x Wᵀ, threaded over
@@ -655,13 +691,15 @@ void projection(benchmark::State& state) {
   mha::Tensor<float> dst({L, N});
   std::vector<mha::detail::KernelScratch<float>> scratch;
   const Eigen::Map<const mha::Matrix<float>> weight(w.data(), N, E);
+  const WallClock wall;
   for (auto _ : state) {
     mha::detail::product_transposed<float, float>(mha::detail::strided(dst.matrix()),
                                                   mha::detail::const_strided(x.matrix()), weight,
                                                   mha::detail::Accumulate::no, scratch);
     benchmark::DoNotOptimize(dst.data());
   }
-  set_flops(state, 2.0 * static_cast<double>(L) * static_cast<double>(E) * static_cast<double>(N));
+  set_flops(state, wall,
+            2.0 * static_cast<double>(L) * static_cast<double>(E) * static_cast<double>(N));
 }
 
 using Config = std::array<std::int64_t, 4>;  // B, L, E, H
