@@ -82,13 +82,16 @@ inline void accumulate_weighted_rows(float* acc, Index width, const float* weigh
   Index d = 0;
   for (; d + kPackets * lanes <= width; d += kPackets * lanes) {
     Packet sums[kPackets];
+    MHA_UNROLL
     for (Index p = 0; p < kPackets; ++p) sums[p] = ploadu<Packet>(acc + d + p * lanes);
     for (Index j = 0; j < count; ++j) {
       const Packet w = pset1<Packet>(weights[j]);
       const float* v = values + j * stride + d;
+      MHA_UNROLL
       for (Index p = 0; p < kPackets; ++p)
         sums[p] = pmadd(w, ploadu<Packet>(v + p * lanes), sums[p]);
     }
+    MHA_UNROLL
     for (Index p = 0; p < kPackets; ++p) Eigen::internal::pstoreu(acc + d + p * lanes, sums[p]);
   }
   for (; d + lanes <= width; d += lanes) {
@@ -121,16 +124,19 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 load_once(const 
 __attribute__((target("avx512f"), always_inline)) inline __m512 reduce_sixteen(
     const __m512 (&v)[16]) {
   __m512 halves[8];  // lanes 0-7: v[2i]'s partial sums, 8-15: v[2i + 1]'s
+  MHA_UNROLL
   for (Index i = 0; i < 8; ++i) {
     halves[i] = _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44) +
                 _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE);
   }
   __m512 quarters[4];  // 128-bit chunk c: v[4i + c]'s partial sums
+  MHA_UNROLL
   for (Index i = 0; i < 4; ++i) {
     quarters[i] = _mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0x88) +
                   _mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0xDD);
   }
   __m512 pairs[2];  // chunk c, lanes 0-1: v[8i + c]'s, lanes 2-3: v[8i + 4 + c]'s
+  MHA_UNROLL
   for (Index i = 0; i < 2; ++i) {
     pairs[i] = _mm512_shuffle_ps(quarters[2 * i], quarters[2 * i + 1], 0x44) +
                _mm512_shuffle_ps(quarters[2 * i], quarters[2 * i + 1], 0xEE);
@@ -157,19 +163,25 @@ __attribute__((target("avx512f"), always_inline)) inline void scaled_dot_block(
     float* out, Index out_stride, const float* ahead) {
   static_assert(Keys % 4 == 0 && Rows * Keys <= 16, "a block's sums fill at most 16 packets");
   __m512 sums[16];
+  MHA_UNROLL
   for (__m512& sum : sums) sum = _mm512_setzero_ps();
   const float* key[Keys];
+  MHA_UNROLL
   for (Index j = 0; j < Keys; ++j) key[j] = keys + std::min<Index>(j, valid - 1) * key_stride;
   for (Index d = 0; d < depth; d += 16, q += 16 * Rows) {
     __m512 k[Keys];
+    MHA_UNROLL
     for (Index j = 0; j < Keys; ++j) k[j] = load_once(key[j] + d);
     if (ahead != nullptr) {
+      MHA_UNROLL
       for (Index j = 0; j < Keys; ++j) {
         _mm_prefetch(reinterpret_cast<const char*>(ahead + j * key_stride + d), _MM_HINT_T0);
       }
     }
+    MHA_UNROLL
     for (Index r = 0; r < Rows; ++r) {
       const __m512 x = load_once(q + 16 * r);
+      MHA_UNROLL
       for (Index j = 0; j < Keys; ++j) {
         __m512& sum = sums[4 * (j % 4) + r * (Keys / 4) + j / 4];
         sum = _mm512_fmadd_ps(x, k[j], sum);
@@ -183,6 +195,7 @@ __attribute__((target("avx512f"), always_inline)) inline void scaled_dot_block(
   const __m512 result = _mm512_set1_ps(scale) * reduce_sixteen(sums);
   const auto row_mask = static_cast<__mmask16>((1U << valid) - 1);
   if (Rows == 1 || out_stride >= Keys) {
+    MHA_UNROLL
     for (Index r = 0; r < Rows; ++r) {
       _mm512_mask_storeu_ps(out + r * (out_stride - Keys),
                             static_cast<__mmask16>(row_mask << (r * Keys)), result);
@@ -191,6 +204,7 @@ __attribute__((target("avx512f"), always_inline)) inline void scaled_dot_block(
   }
   alignas(64) float lanes[16];
   _mm512_store_ps(lanes, result);
+  MHA_UNROLL
   for (Index r = 0; r < Rows; ++r) {
     for (Index j = 0; j < valid; ++j) out[r * out_stride + j] = lanes[r * Keys + j];
   }
@@ -205,26 +219,34 @@ __attribute__((target("avx512f"), always_inline)) inline void value_block(
     bool first, float* acc, Index acc_stride, const RowsAhead& ahead) {
   static_assert(Rows * Panels <= 16, "a block's sums fill at most 16 registers");
   __m512 sums[Rows][Panels];
+  MHA_UNROLL
   for (Index r = 0; r < Rows; ++r) {
+    MHA_UNROLL
     for (Index c = 0; c < Panels; ++c) {
       sums[r][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + r * acc_stride + 16 * c);
     }
   }
   for (Index j = 0; j < count; ++j) {
     __m512 v[Panels];
+    MHA_UNROLL
     for (Index c = 0; c < Panels; ++c) v[c] = load_once(values + j * value_stride + 16 * c);
     if (j < ahead.count) {
+      MHA_UNROLL
       for (Index c = 0; c < Panels; ++c) {
         _mm_prefetch(reinterpret_cast<const char*>(ahead.rows + j * value_stride + 16 * c),
                      _MM_HINT_T0);
       }
     }
+    MHA_UNROLL
     for (Index r = 0; r < Rows; ++r) {
       const __m512 weight = _mm512_set1_ps(p[r * p_stride + j]);
+      MHA_UNROLL
       for (Index c = 0; c < Panels; ++c) sums[r][c] = _mm512_fmadd_ps(weight, v[c], sums[r][c]);
     }
   }
+  MHA_UNROLL
   for (Index r = 0; r < Rows; ++r) {
+    MHA_UNROLL
     for (Index c = 0; c < Panels; ++c) _mm512_storeu_ps(acc + r * acc_stride + 16 * c, sums[r][c]);
   }
 }

@@ -56,18 +56,24 @@ void dot_products(StridedMap<T> dst, ConstStridedMap<T> lhs, ConstStridedMap<T> 
     Packet acc[kLhsRows][kRows];
     const T* w[kRows] = {};
     const T* x[kLhsRows] = {};
+    MHA_UNROLL
     for (Index b = 0; b < kRows; ++b) {
       w[b] = rows.data() + (j + std::min(b, count_j - 1)) * rows.outerStride();
     }
+    MHA_UNROLL
     for (Index a = 0; a < kLhsRows; ++a) {
       x[a] = lhs.data() + (i + std::min(a, count_i - 1)) * lhs.outerStride();
+      MHA_UNROLL
       for (Index b = 0; b < kRows; ++b) acc[a][b] = Eigen::internal::pzero(Packet{});
     }
     for (Index k = 0; k < vector_depth; k += lanes) {
       Packet wk[kRows];
+      MHA_UNROLL
       for (Index b = 0; b < kRows; ++b) wk[b] = ploadu<Packet>(w[b] + k);
+      MHA_UNROLL
       for (Index a = 0; a < kLhsRows; ++a) {
         const Packet xk = ploadu<Packet>(x[a] + k);
+        MHA_UNROLL
         for (Index b = 0; b < kRows; ++b) acc[a][b] = pmadd(xk, wk[b], acc[a][b]);
       }
     }

@@ -35,6 +35,19 @@
 
 #include "mha/tensor.hpp"
 
+// Before a register block's loops of a fixed count (its rows, panels, keys): unrolled whole at
+// every optimisation level, so that the block's sums and operands are registers. GCC 12 at -O2
+// (CMake's RelWithDebInfo, a build type a header-only library's consumers compile it with) keeps
+// them as loops over arrays on the stack otherwise: the layer's forward then ran at 0.29 of its
+// -O3 rate (bench/RESULTS.md, 2026-12-04).
+#if defined(__clang__)
+#define MHA_UNROLL _Pragma("unroll")
+#elif defined(__GNUC__)
+#define MHA_UNROLL _Pragma("GCC unroll 16")
+#else
+#define MHA_UNROLL
+#endif
+
 namespace mha::detail {
 
 struct PackedGemmShape {
@@ -57,11 +70,13 @@ struct PackedOperand {
 // rows[c][k] becomes rows[k][c] for c, k < 8: the unpack, shuffle and lane-swap network.
 __attribute__((target("avx2"))) inline void transpose_8x8(__m256 (&rows)[8]) {
   __m256 pairs[8];  // rows 2i and 2i + 1 interleaved, within each 128-bit lane
+  MHA_UNROLL
   for (Index i = 0; i < 4; ++i) {
     pairs[2 * i] = _mm256_unpacklo_ps(rows[2 * i], rows[2 * i + 1]);
     pairs[2 * i + 1] = _mm256_unpackhi_ps(rows[2 * i], rows[2 * i + 1]);
   }
   __m256 quads[8];  // columns k and k + 4 of four rows: rows 0-3 in quads[0-3], rows 4-7 in [4-7]
+  MHA_UNROLL
   for (Index half = 0; half < 2; ++half) {
     const __m256* p = pairs + 4 * half;
     quads[4 * half + 0] = _mm256_shuffle_ps(p[0], p[2], 0x44);
@@ -69,6 +84,7 @@ __attribute__((target("avx2"))) inline void transpose_8x8(__m256 (&rows)[8]) {
     quads[4 * half + 2] = _mm256_shuffle_ps(p[1], p[3], 0x44);
     quads[4 * half + 3] = _mm256_shuffle_ps(p[1], p[3], 0xEE);
   }
+  MHA_UNROLL
   for (Index k = 0; k < 4; ++k) {
     rows[k] = _mm256_permute2f128_ps(quads[k], quads[k + 4], 0x20);
     rows[k + 4] = _mm256_permute2f128_ps(quads[k], quads[k + 4], 0x31);
@@ -79,8 +95,10 @@ __attribute__((target("avx2"))) inline void transpose_8x8(__m256 (&rows)[8]) {
 __attribute__((target("avx2"))) inline void transpose_block_8x8(const float* src, Index src_stride,
                                                                 float* dst, Index dst_stride) {
   __m256 rows[8];
+  MHA_UNROLL
   for (Index c = 0; c < 8; ++c) rows[c] = _mm256_loadu_ps(src + c * src_stride);
   transpose_8x8(rows);
+  MHA_UNROLL
   for (Index k = 0; k < 8; ++k) _mm256_storeu_ps(dst + k * dst_stride, rows[k]);
 }
 
@@ -90,9 +108,11 @@ __attribute__((target("avx2"))) inline void transpose_block_8x8(const float* src
 __attribute__((target("avx2"))) inline void pack_six_rows(const float* src, Index src_stride,
                                                           float* packed) {
   __m256 rows[8];
+  MHA_UNROLL
   for (Index r = 0; r < 6; ++r) rows[r] = _mm256_loadu_ps(src + r * src_stride);
   rows[6] = rows[7] = _mm256_setzero_ps();
   transpose_8x8(rows);
+  MHA_UNROLL
   for (Index k = 0; k < 8; ++k) _mm256_storeu_ps(packed + k * 6, rows[k]);
 }
 #endif
@@ -249,6 +269,7 @@ __attribute__((target("avx2,fma"))) inline void micro_kernel_avx2(Index depth, c
   // The tile's rows (6 lines of dst, a row stride apart, often in the same cache set) are fetched
   // while the sums are formed: reading them cold after the loop cost a fifth of the time.
   if (!first) {
+    MHA_UNROLL
     for (Index r = 0; r < 6; ++r) {
       _mm_prefetch(reinterpret_cast<const char*>(tile + r * ld), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(tile + r * ld + 15), _MM_HINT_T0);
@@ -314,28 +335,38 @@ __attribute__((target("avx512f"), noinline)) inline void micro_kernel_avx512(
   static_assert(Panels == 1 || Panels == 2, "one or two panels of B");
   constexpr Index kRows = PackedGemmShape::kMr;
   if (!first) {
+    MHA_UNROLL
     for (Index r = 0; r < kRows; ++r) {
+      MHA_UNROLL
       for (Index p = 0; p < Panels; ++p) {
         _mm_prefetch(reinterpret_cast<const char*>(tile + r * ld + p * 16), _MM_HINT_T0);
       }
     }
   }
   __m512 sums[kRows][Panels];
+  MHA_UNROLL
   for (auto& row_sums : sums) {
+    MHA_UNROLL
     for (__m512& sum : row_sums) sum = _mm512_setzero_ps();
   }
   Index offsets[kRows];
+  MHA_UNROLL
   for (Index r = 0; r < kRows; ++r) offsets[r] = r * a_row_step;
   for (Index k = 0; k < depth; ++k, a += a_k_step, b += b_k_step) {
     __m512 row[Panels];
+    MHA_UNROLL
     for (Index p = 0; p < Panels; ++p) row[p] = _mm512_loadu_ps(b + p * b_panel_step);
+    MHA_UNROLL
     for (Index r = 0; r < kRows; ++r) {
       const __m512 x = _mm512_set1_ps(a[offsets[r]]);
+      MHA_UNROLL
       for (Index p = 0; p < Panels; ++p) sums[r][p] = _mm512_fmadd_ps(x, row[p], sums[r][p]);
     }
   }
   const __m512 scale = _mm512_set1_ps(alpha);
+  MHA_UNROLL
   for (Index r = 0; r < kRows; ++r) {
+    MHA_UNROLL
     for (Index p = 0; p < Panels; ++p) {
       float* out = tile + r * ld + p * 16;
       const __m512 old = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out);
