@@ -570,14 +570,7 @@ void decode_attention(benchmark::State& state, DecodeRun run) {
   const mha::detail::DecodeShape shape{H, kv_heads, D, D, inner, inner, width};
   std::uint32_t folded = 0;
   const auto fold = [&folded](const float* data, mha::Index size) {
-    std::uint32_t bits = 0;
-    MHA_OMP_PRAGMA(omp parallel for schedule(static) reduction(^ : bits))
-    for (mha::Index i = 0; i < size; ++i) {
-      std::uint32_t word = 0;
-      std::memcpy(&word, data + i, sizeof word);
-      bits ^= word;
-    }
-    folded ^= bits;
+    folded ^= mha_bench::xor_fold(data, size * static_cast<mha::Index>(sizeof(float)));
   };
   const WallClock wall;
   for (auto _ : state) {

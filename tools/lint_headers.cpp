@@ -31,6 +31,7 @@
 #include "mha/kernels/reference.hpp"
 #include "mha/kernels/talking_heads.hpp"
 #include "mha/kernels/tile_product.hpp"
+#include "mha/kernels/unroll.hpp"
 #include "mha/kv_cache.hpp"
 #include "mha/layer/config.hpp"
 #include "mha/layer/decode.hpp"

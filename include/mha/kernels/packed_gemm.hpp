@@ -33,20 +33,8 @@
 #define MHA_PACKED_GEMM_X86 1
 #endif
 
+#include "mha/kernels/unroll.hpp"
 #include "mha/tensor.hpp"
-
-// Before a register block's loops of a fixed count (its rows, panels, keys): unrolled whole at
-// every optimisation level, so that the block's sums and operands are registers. GCC 12 at -O2
-// (CMake's RelWithDebInfo, a build type a header-only library's consumers compile it with) keeps
-// them as loops over arrays on the stack otherwise: the layer's forward then ran at 0.29 of its
-// -O3 rate (bench/RESULTS.md, 2026-12-04).
-#if defined(__clang__)
-#define MHA_UNROLL _Pragma("unroll")
-#elif defined(__GNUC__)
-#define MHA_UNROLL _Pragma("GCC unroll 16")
-#else
-#define MHA_UNROLL
-#endif
 
 namespace mha::detail {
 
