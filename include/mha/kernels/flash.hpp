@@ -328,10 +328,10 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
 // The backward's query chunk: every key block of a head reads the rows of its queries, output
 // gradients, their packed panels and dQ (3·D + 2·Dv elements a query), so the key blocks take the
 // queries a chunk of about 2 MiB of those rows at a time, which stays in the last-level cache
-// as L grows. At L = 4096 and 8192, D = 64 (5 and 10 MiB of them a head) the backward took 0.90
-// of the time in chunks that it took over all the queries at once, 0.73 of the FMA peak
-// against 0.66 (bench/RESULTS.md, 2026-12-04). A whole number of query blocks, so the tiles stay
-// the same.
+// as L grows. At L = 4096 and 8192, D = 64 (5 and 10 MiB of them a head) the backward took
+// 0.90-0.92 of the time in chunks that it took over all the queries at once, 0.70-0.72 of the FMA
+// peak against 0.64 (bench/RESULTS.md, 2026-12-04). A whole number of query blocks, so the tiles
+// stay the same.
 template <class T>
 Index backward_query_chunk(Index head_dim, Index value_dim, Index query_block) {
   constexpr Index kChunkBytes = Index{2} << 20;
