@@ -264,9 +264,14 @@ void train(benchmark::State& state, mha::Kernel kernel) {
   options.need_weights = false;
   options.kernel = kernel;
   mha::SavedForward<float> saved;
+  // The output and the input gradients kept from step to step, as a training loop keeps them
+  // (forward_train and backward into them): fresh ones take new pages at every step, 15-20 % of
+  // a step at L = 4096 (bench/RESULTS.md, 2026-12-04).
+  mha::ForwardResult<float> result;
+  mha::InputGradients<float> grads;
   const auto step = [&] {
-    auto result = layer.forward_train(x, options, saved);
-    auto grads = layer.backward(saved, grad_output);
+    layer.forward_train(x, x, x, options, saved, result);
+    layer.backward(saved, grad_output, grads);
     benchmark::DoNotOptimize(result.output.data());
     benchmark::DoNotOptimize(grads.query.data());
   };

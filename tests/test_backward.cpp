@@ -518,6 +518,49 @@ TEST_CASE("gradients accumulate until zero_grad, as in PyTorch", "[backward]") {
   CHECK(layer.parameters().size() == layer.parameter_names().size());
 }
 
+// forward_train and backward into a kept result and kept gradients (their buffers reused, the
+// training loop's form) give what the returning calls give, bit for bit, over steps whose shapes
+// change and come back, self-attention (one fused projection) and cross-attention with bias_k.
+TEST_CASE("training into kept results equals the returning calls", "[backward]") {
+  for (const bool cross : {false, true}) {
+    MultiHeadAttentionConfig config(8, 2);
+    config.add_bias_kv = cross;
+    if (cross) config.kdim = config.vdim = 5;
+    MultiHeadAttention<double> returning(config), kept(config);
+    randomise(returning, 3);
+    randomise(kept, 3);
+    mha::ForwardOptions<double> options;
+    options.need_weights = false;
+    mha::SavedForward<double> saved_returning, saved_kept;
+    mha::ForwardResult<double> result;
+    mha::InputGradients<double> grads;
+    const Index lengths[] = {5, 9, 5};
+    for (int step = 0; step < 3; ++step) {
+      const Index L = lengths[step], S = L + 2;
+      const auto seed = static_cast<std::uint64_t>(10 * step);
+      const auto query = mha_test::random_tensor<double>({2, L, 8}, seed + 1);
+      const auto key = cross ? mha_test::random_tensor<double>({2, S, 5}, seed + 2) : query;
+      const auto value = cross ? mha_test::random_tensor<double>({2, S, 5}, seed + 3) : query;
+      const auto g = mha_test::random_tensor<double>({2, L, 8}, seed + 4);
+      INFO((cross ? "cross" : "self") << "-attention, step " << step);
+      const auto expected = returning.forward_train(query, key, value, options, saved_returning);
+      kept.forward_train(query, key, value, options, saved_kept, result);
+      CHECK(result.output.shape() == expected.output.shape());
+      CHECK(result.output.flat() == expected.output.flat());
+      const auto expected_grads = returning.backward(saved_returning, g);
+      kept.backward(saved_kept, g, grads);
+      CHECK(grads.query.flat() == expected_grads.query.flat());
+      CHECK(grads.key.flat() == expected_grads.key.flat());
+      CHECK(grads.value.flat() == expected_grads.value.flat());
+      for (const auto& name : kept.parameter_names()) {
+        INFO(name);
+        CHECK(Tensor<double>(kept.gradient(name)).flat() ==
+              Tensor<double>(returning.gradient(name)).flat());
+      }
+    }
+  }
+}
+
 TEST_CASE("backward refuses what it cannot differentiate", "[backward][errors]") {
   MultiHeadAttention<float> layer(8, 2), other(8, 2);
   const auto x = mha_test::random_tensor<float>({2, 3, 8}, 1);

@@ -190,11 +190,9 @@ class MultiHeadAttention {
   ForwardResult<T> forward_train(TensorView<const T> query, TensorView<const T> key,
                                  TensorView<const T> value, const ForwardOptions<T>& options,
                                  SavedForward<T>& saved) {
-    static_assert(kTrainable,
-                  "training runs in float or double: train a MultiHeadAttention<float> "
-                  "and load its state_dict into the 16-bit layer");
-    return detail::forward_train(parameters_, this, dropout_random_, query, key, value, options,
-                                 saved.state_);
+    ForwardResult<T> result;
+    forward_train(query, key, value, options, saved, result);
+    return result;
   }
 
   ForwardResult<T> forward_train(TensorView<const T> x, const ForwardOptions<T>& options,
@@ -202,13 +200,34 @@ class MultiHeadAttention {
     return forward_train(x, x, x, options, saved);
   }
 
+  // The same into a result kept from step to step, as forward's with a Workspace: its buffers
+  // are reused, so a training loop's steps of one shape take no new memory. (Fresh tensors at
+  // every step cost 15-20 % of a step at L = 4096, in page faults: bench/RESULTS.md, 2026-12-04.)
+  void forward_train(TensorView<const T> query, TensorView<const T> key, TensorView<const T> value,
+                     const ForwardOptions<T>& options, SavedForward<T>& saved,
+                     ForwardResult<T>& result) {
+    static_assert(kTrainable,
+                  "training runs in float or double: train a MultiHeadAttention<float> "
+                  "and load its state_dict into the 16-bit layer");
+    detail::forward_train(parameters_, this, dropout_random_, query, key, value, options,
+                          saved.state_, result);
+  }
+
   // The gradients of loss = sum(output ∘ grad_output) for the forward_train that filled `saved`:
   // returned for the inputs (reported separately for query, key and value even when they were
   // one tensor; the shared tensor's gradient is their sum), and added into gradient(name) for
   // every parameter.
   InputGradients<T> backward(SavedForward<T>& saved, TensorView<const T> grad_output) {
+    InputGradients<T> grads;
+    backward(saved, grad_output, grads);
+    return grads;
+  }
+
+  // The same into gradients kept from step to step, their tensors reused (every element is
+  // overwritten).
+  void backward(SavedForward<T>& saved, TensorView<const T> grad_output, InputGradients<T>& grads) {
     static_assert(kTrainable, "training runs in float or double");
-    return detail::backward(parameters_, this, saved.state_, grad_output);
+    detail::backward(parameters_, this, saved.state_, grad_output, grads);
   }
 
   // The accumulated gradient of one parameter, with its shape. Throws until a forward_train,

@@ -66,13 +66,14 @@ class SavedForward {
 
 namespace detail {
 
-// forward_train of `layer` (its address marks `saved` as its own): the forward pass with
-// dropout drawn from `dropout_random`, keeping copies of the inputs and options in `saved`.
+// forward_train of `layer` (its address marks `saved` as its own) into `result`, whose buffers
+// it reuses: the forward pass with dropout drawn from `dropout_random`, keeping copies of the
+// inputs and options in `saved`.
 template <class T>
-ForwardResult<T> forward_train(LayerParameters<T>& parameters, const void* layer,
-                               Random& dropout_random, const TensorView<const T>& query,
-                               const TensorView<const T>& key, const TensorView<const T>& value,
-                               const ForwardOptions<T>& options, SavedState<T>& saved) {
+void forward_train(LayerParameters<T>& parameters, const void* layer, Random& dropout_random,
+                   const TensorView<const T>& query, const TensorView<const T>& key,
+                   const TensorView<const T>& value, const ForwardOptions<T>& options,
+                   SavedState<T>& saved, ForwardResult<T>& result) {
   const MultiHeadAttentionConfig& config = parameters.config();
   saved.layer = nullptr;  // unusable until this call succeeds
   const ForwardPlan plan = plan_forward(parameters, query, key, value, options);
@@ -95,7 +96,6 @@ ForwardResult<T> forward_train(LayerParameters<T>& parameters, const void* layer
   if (plan.kernel == Kernel::flash) {
     saved.logsumexp.resize({plan.batch, config.num_heads, plan.query_len});
   }
-  ForwardResult<T> result;
   const TensorView<const T> saved_query = saved.query.view();
   run_forward(parameters, plan, core, saved_query, plan.fused ? saved_query : saved.key.view(),
               plan.fused ? saved_query : saved.value.view(), saved.options, saved.workspace, result,
@@ -104,15 +104,16 @@ ForwardResult<T> forward_train(LayerParameters<T>& parameters, const void* layer
   saved.plan = plan;
   saved.dropout = core.dropout;
   saved.layer = layer;
-  return result;
 }
 
 // The gradients of loss = sum(output ∘ grad_output) for the forward_train of `layer` that filled
-// `saved`: returned for the inputs (for query, key and value separately even when they were one
-// tensor; the shared tensor's gradient is their sum), and added into the parameters' gradients.
+// `saved`: written into `input_grads` for the inputs, its tensors resized (reused where their
+// shapes stay: every element is overwritten), for query, key and value separately even when they
+// were one tensor (the shared tensor's gradient is their sum), and added into the parameters'
+// gradients.
 template <class T>
-InputGradients<T> backward(LayerParameters<T>& parameters, const void* layer, SavedState<T>& saved,
-                           const TensorView<const T>& grad_output) {
+void backward(LayerParameters<T>& parameters, const void* layer, SavedState<T>& saved,
+              const TensorView<const T>& grad_output, InputGradients<T>& input_grads) {
   if (saved.layer != layer) {
     throw_argument("saved", saved.layer == nullptr ? "holds no successful forward_train"
                                                    : "was filled by another layer's forward_train");
@@ -206,14 +207,13 @@ InputGradients<T> backward(LayerParameters<T>& parameters, const void* layer, Sa
   }
 
   // the projections y = x Wᵀ + b
-  InputGradients<T> input_grads;
   input_grads.head_gate = std::move(grad_gate);
-  input_grads.query = Tensor<T>(saved.query.shape());
-  input_grads.key = Tensor<T>(plan.fused ? saved.query.shape() : saved.key.shape());
-  input_grads.value = Tensor<T>(plan.fused ? saved.query.shape() : saved.value.shape());
+  input_grads.query.resize(saved.query.shape());
+  input_grads.key.resize(plan.fused ? saved.query.shape() : saved.key.shape());
+  input_grads.value.resize(plan.fused ? saved.query.shape() : saved.value.shape());
   if (plan.fused) {
     // No rows (B or L = 0): nothing to add, and the column blocks below would offset null data.
-    if (rows == 0) return input_grads;
+    if (rows == 0) return;
     const auto input = saved.query.matrix();
     matrix_product<T>(strided(grads.in_proj_weight.matrix()), const_strided(saved.grad_qkv),
                       Operand::transposed, const_strided(input), Accumulate::yes);
@@ -226,7 +226,7 @@ InputGradients<T> backward(LayerParameters<T>& parameters, const void* layer, Sa
                         Operand::as_stored, const_strided(parameters.weight_rows(which)),
                         Accumulate::no);
     }
-    return input_grads;
+    return;
   }
   backward_projection(parameters, saved.grad_q, saved.query, 0, plan.batch, query_len, query_len,
                       input_grads.query);
@@ -234,18 +234,17 @@ InputGradients<T> backward(LayerParameters<T>& parameters, const void* layer, Sa
                       input_grads.key);
   backward_projection(parameters, saved.grad_v, saved.value, 2, plan.batch, plan.key_len,
                       total_keys, input_grads.value);
-  return input_grads;
 }
 
 // The instantiations mha::compiled holds (src/layer_training.cpp; see mha/compiled.hpp).
 // NOLINTBEGIN(bugprone-macro-parentheses): the arguments are a type and a keyword
-#define MHA_LAYER_TRAINING_TEMPLATES(PREFIX, T)                                                   \
-  PREFIX template ForwardResult<T> forward_train<T>(                                              \
-      LayerParameters<T>&, const void*, Random&, const TensorView<const T>&,                      \
-      const TensorView<const T>&, const TensorView<const T>&, const ForwardOptions<T>&,           \
-      SavedState<T>&);                                                                            \
-  PREFIX template InputGradients<T> backward<T>(LayerParameters<T>&, const void*, SavedState<T>&, \
-                                                const TensorView<const T>&);
+#define MHA_LAYER_TRAINING_TEMPLATES(PREFIX, T)                                                 \
+  PREFIX template void forward_train<T>(LayerParameters<T>&, const void*, Random&,              \
+                                        const TensorView<const T>&, const TensorView<const T>&, \
+                                        const TensorView<const T>&, const ForwardOptions<T>&,   \
+                                        SavedState<T>&, ForwardResult<T>&);                     \
+  PREFIX template void backward<T>(LayerParameters<T>&, const void*, SavedState<T>&,            \
+                                   const TensorView<const T>&, InputGradients<T>&);
 // NOLINTEND(bugprone-macro-parentheses)
 MHA_EXTERN_TEMPLATES(MHA_TRAINABLE_TYPES, MHA_LAYER_TRAINING_TEMPLATES)
 
