@@ -171,7 +171,10 @@ def main(argv=None):
             fail(f"cannot import torch ({error}): run with /usr/bin/python3 (python3-torch), or pass --no-torch")
         torch.set_num_threads(args.threads)
         sys.path.insert(0, HERE)
-        from compare_pytorch import TorchSide
+        from compare_pytorch import TorchSide, reference_blas_error, torch_blas
+        blas = torch_blas(torch)
+        if reference_blas_error(blas):
+            fail(reference_blas_error(blas) + ", or pass --no-torch")
 
     rows, context = [], {}
     with tempfile.TemporaryDirectory() as work:
@@ -207,6 +210,7 @@ def main(argv=None):
             "env": {k: os.environ.get(k, "") for k in ("OPENBLAS_CORETYPE", "OMP_NUM_THREADS", "OMP_WAIT_POLICY")}}
     if torch:
         meta["torch"] = torch.__version__
+        meta["torch_blas"] = blas
     print(f"| B, L, E, H | ONNX Runtime ms | mha ms | {'PyTorch ms | ' if torch else ''}mha / ORT speed-up | "
           f"{'mha / PyTorch speed-up | ' if torch else ''}mha GFLOP/s |")
     print("|---" * (7 if torch else 5) + "|")

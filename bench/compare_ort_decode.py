@@ -6,6 +6,8 @@ Usage (Debian's python3-onnx, so /usr/bin/python3):
     /usr/bin/python3 bench/compare_ort_decode.py --mha-bench build/bench/mha_bench \
         [--config B,H_kv,context ...] [--threads 2] [--rounds 3] [--repeats 5] [--ort-runs 20] \
         [--ort-cache copied|shared|both] [--json out.json]
+    /usr/bin/python3 bench/compare_ort_decode.py --mha-bench build/bench/mha_bench --attention-only \
+        [--config B,H_kv,context ...] [--ort-cache shared|copied|both] [...]
     /usr/bin/python3 bench/compare_ort_decode.py --check [--threads 2]
 
 Without --config: B in {1, 8} x H_kv in {16, 4, 1} x context 2048 (six configurations). The layer
@@ -43,6 +45,17 @@ median over all rounds of each one's per-round median, GB/s with the bytes a ste
 4·(2·E² + 2·H_kv·D·E) of weights and 4·B·2·context·H_kv·D of cache, and mha's speed-up over ONNX
 Runtime (> 1: mha is faster).
 
+--attention-only compares the step's attention alone, at sizes whose caches a prompt could not
+fill in a benchmark's time: ONNX Runtime's model is the GroupQueryAttention op by itself (inputs
+query [B, 1, H·D], key and value [B, 1, H_kv·D] and the caches as above), mha's is
+`decode_attention/batched/B:<b>/H_kv:<k>/context:<c>` (the decoding kernel over a cache of
+`context` tokens, one new query a sequence; it appends no key). GB/s then counts the cache's bytes,
+4·B·2·context·H_kv·D. Without --config: the issue's eighteen decoding targets, B in {1, 8, 32} x
+H_kv in {16, 4, 1} x context in {2048, 16384}; --ort-cache defaults to shared there (a copied
+cache of B = 32, H_kv = 16, context 16384 would take 16 GiB in ONNX Runtime's process alone). The
+timer fills the caches with a cheap pattern instead of random draws: 4 GiB of Math.random() take
+minutes.
+
 --check verifies, on small layers (E = 64, H = 4, D = 16) in both cache modes, that ONNX Runtime's
 outputs (the GroupQueryAttention output, y and the present cache) agree within 1e-4 with a numpy
 (float64) reference of one new query attending to the past keys and its own, and that the shared
@@ -64,6 +77,7 @@ import compare_ort  # noqa: E402  (its ort_package and benchmark_seconds)
 
 E, H = 2048, 16
 DEFAULT_CONFIGS = [(b, k, 2048) for b in (1, 8) for k in (16, 4, 1)]
+ATTENTION_CONFIGS = [(b, k, c) for c in (2048, 16384) for b in (1, 8, 32) for k in (16, 4, 1)]
 CHECK_CONFIGS = [(2, 64, 4, 2, 5), (1, 64, 4, 1, 7), (2, 64, 4, 4, 3)]  # B, E, H, H_kv, context
 TOLERANCE = 1e-4
 MODES = ("copied", "shared")
@@ -71,7 +85,8 @@ MODES = ("copied", "shared")
 # The timer node runs: the median and minimum seconds of `runs` runs after one warm-up, and the
 # outputs' shapes. With an IO directory it reads x, past_key and past_value from <name>.f32 there
 # instead of drawing them, runs once, and writes each output to <name>.out.f32 and the cache
-# inputs as they are after the run to <name>.after.f32.
+# inputs as they are after the run to <name>.after.f32. A model whose inputs are query, key and
+# value (the attention alone) gets those instead of x.
 TIMER_JS = r"""
 const ort = require(process.env.ORT_NODE);
 const fs = require('fs');
@@ -87,14 +102,18 @@ async function main() {
       data = new Float32Array(b.buffer.slice(b.byteOffset, b.byteOffset + b.length));
     } else {
       data = new Float32Array(dims.reduce((a, n) => a * n, 1));
-      for (let i = 0; i < data.length; i++) data[i] = Math.random() - 0.5;
+      for (let i = 0; i < data.length; i++) data[i] = (i * 40503 % 1000) * 1e-3 - 0.5;
     }
     return new ort.Tensor('float32', data, dims);
   };
-  const feeds = {x: tensor('x', [B, 1, E]), past_key: tensor('past_key', [B, KV, T, D]),
+  const alone = s.inputNames.includes('query');
+  const feeds = alone ? {query: tensor('query', [B, 1, E]), key: tensor('key', [B, 1, KV * D]),
+                         value: tensor('value', [B, 1, KV * D])}
+                      : {x: tensor('x', [B, 1, E])};
+  Object.assign(feeds, {past_key: tensor('past_key', [B, KV, T, D]),
                  past_value: tensor('past_value', [B, KV, T, D]),
                  seqlens_k: new ort.Tensor('int32', new Int32Array(B).fill(C), [B]),
-                 total_sequence_length: new ort.Tensor('int32', Int32Array.of(C + 1), [])};
+                 total_sequence_length: new ort.Tensor('int32', Int32Array.of(C + 1), [])});
   // The present cache is a pre-allocated output (ORT writes into it, the binding copies nothing
   // back): the past's own tensors when it has room for the new token (T > C), else new ones.
   const present = T > C ? [feeds.past_key, feeds.past_value]
@@ -127,10 +146,15 @@ def fail(message):
     sys.exit(1)
 
 
-def bytes_read(b, h_kv, context, e=E, h=H):
-    """What a step must read: every weight once and the whole cache once, in float32."""
+class OrtFailed(Exception):
+    """ONNX Runtime's process failed on a configuration (killed for memory, say)."""
+
+
+def bytes_read(b, h_kv, context, e=E, h=H, attention_only=False):
+    """What a step must read: every weight once (unless attention_only) and the whole cache once,
+    in float32."""
     kv = h_kv * (e // h)
-    return 4 * (2 * e * e + 2 * kv * e) + 4 * b * 2 * context * kv
+    return (0 if attention_only else 4 * (2 * e * e + 2 * kv * e)) + 4 * b * 2 * context * kv
 
 
 def write_model(path, b, h_kv, cache, e=E, h=H, attention_output=False):
@@ -179,12 +203,43 @@ def write_model(path, b, h_kv, cache, e=E, h=H, attention_output=False):
     return weights
 
 
+def write_attention_model(path, b, h_kv, e=E, h=H):
+    """The GroupQueryAttention op alone (see --attention-only in the module docstring)."""
+    try:
+        import onnx
+        from onnx import TensorProto, helper
+    except ImportError as error:
+        fail(f"cannot import onnx ({error}): apt-get install python3-onnx, and run with /usr/bin/python3")
+    d = e // h
+    kv = h_kv * d
+    node = helper.make_node("GroupQueryAttention",
+                            ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length"],
+                            ["att", "present_key", "present_value"], domain="com.microsoft",
+                            num_heads=h, kv_num_heads=h_kv)
+    inputs = [helper.make_tensor_value_info("query", TensorProto.FLOAT, [b, 1, e]),
+              helper.make_tensor_value_info("key", TensorProto.FLOAT, [b, 1, kv]),
+              helper.make_tensor_value_info("value", TensorProto.FLOAT, [b, 1, kv]),
+              helper.make_tensor_value_info("past_key", TensorProto.FLOAT, [b, h_kv, "past_length", d]),
+              helper.make_tensor_value_info("past_value", TensorProto.FLOAT, [b, h_kv, "past_length", d]),
+              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [b]),
+              helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])]
+    outputs = [helper.make_tensor_value_info("att", TensorProto.FLOAT, [b, 1, e]),
+               helper.make_tensor_value_info("present_key", TensorProto.FLOAT, [b, h_kv, "present_length", d]),
+               helper.make_tensor_value_info("present_value", TensorProto.FLOAT, [b, h_kv, "present_length", d])]
+    graph = helper.make_graph([node], "decode_attention", inputs, outputs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 8
+    onnx.save(model, path)
+
+
 def run_timer(package, timer, model, sizes, runs, threads, io=None):
     """The timer's JSON for sizes (B, E, H_kv, D, context, cache positions)."""
     command = ["node", timer, model] + [str(n) for n in sizes] + [str(runs), str(threads)] + ([io] if io else [])
     out = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "ORT_NODE": package})
     if out.returncode != 0:
-        fail(f"ONNX Runtime failed: {out.stderr.strip()}")
+        how = f"killed by signal {-out.returncode}" if out.returncode < 0 else f"exit code {out.returncode}"
+        raise OrtFailed(f"ONNX Runtime's process failed ({how}): {out.stderr.strip() or 'no message'}")
     return json.loads(out.stdout)
 
 
@@ -256,18 +311,22 @@ def check(package, timer, work, threads):
 
 
 def ort_seconds(package, timer, model, config, cache, runs, threads):
-    """ONNX Runtime's median seconds of a step, and its outputs' shapes (y checked against [B, 1, E])."""
+    """ONNX Runtime's median seconds of a step, and its outputs' shapes (y, or the attention alone's
+    att, checked against [B, 1, E])."""
     b, h_kv, context = config
     result = run_timer(package, timer, model, (b, E, h_kv, E // H, context, cache), runs, threads)
-    if list(result["shapes"]["y"]) != [b, 1, E]:
-        fail(f"ONNX Runtime's y has shape {result['shapes']['y']}, not {[b, 1, E]}")
+    output = "y" if "y" in result["shapes"] else "att"
+    if list(result["shapes"][output]) != [b, 1, E]:
+        fail(f"ONNX Runtime's {output} has shape {result['shapes'][output]}, not {[b, 1, E]}")
     return result["median"], result["shapes"]
 
 
-def mha_seconds(binary, config, repeats, threads):
-    """mha_bench's median seconds of decode/B:<b>/H_kv:<k>/context:<c>, and its context."""
+def mha_seconds(binary, config, repeats, threads, attention_only=False):
+    """mha_bench's median seconds of decode/B:<b>/H_kv:<k>/context:<c> (or, attention_only,
+    decode_attention/batched/...), and its context."""
     b, h_kv, context = config
-    return compare_ort.benchmark_seconds(binary, f"decode/B:{b}/H_kv:{h_kv}/context:{context}",
+    name = "decode_attention/batched" if attention_only else "decode"
+    return compare_ort.benchmark_seconds(binary, f"{name}/B:{b}/H_kv:{h_kv}/context:{context}",
                                          repeats, threads)
 
 
@@ -275,20 +334,27 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mha-bench", help="the mha_bench binary (required unless --check)")
     ap.add_argument("--config", action="append",
-                    help="B,H_kv,context (repeatable; default: B 1 and 8, H_kv 16, 4 and 1, context 2048)")
+                    help="B,H_kv,context (repeatable; default: B 1 and 8, H_kv 16, 4 and 1, context 2048; "
+                         "with --attention-only the eighteen of the module docstring)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=5, help="mha_bench's repetitions per round")
     ap.add_argument("--ort-runs", type=int, default=20, help="timed session.run calls per round")
-    ap.add_argument("--ort-cache", choices=MODES + ("both",), default="both")
+    ap.add_argument("--ort-cache", choices=MODES + ("both",),
+                    help="default: both, or shared with --attention-only")
+    ap.add_argument("--attention-only", action="store_true",
+                    help="the attention alone: GroupQueryAttention against decode_attention/batched")
     ap.add_argument("--check", action="store_true", help="verify ONNX Runtime's step against numpy, then exit")
     ap.add_argument("--ort-dir", default=os.path.expanduser("~/.cache/mha-bench-ort"))
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     if not args.check and not args.mha_bench:
         ap.error("--mha-bench is required (unless --check)")
-    configs = [tuple(int(x) for x in c.split(",")) for c in args.config] if args.config else DEFAULT_CONFIGS
-    modes = MODES if args.ort_cache == "both" else (args.ort_cache,)
+    alone = args.attention_only
+    default_configs = ATTENTION_CONFIGS if alone else DEFAULT_CONFIGS
+    configs = [tuple(int(x) for x in c.split(",")) for c in args.config] if args.config else default_configs
+    ort_cache = args.ort_cache or ("shared" if alone else "both")
+    modes = MODES if ort_cache == "both" else (ort_cache,)
 
     package = compare_ort.ort_package(args.ort_dir)
     rows, context = [], {}
@@ -297,47 +363,73 @@ def main(argv=None):
         with open(timer, "w") as f:
             f.write(TIMER_JS)
         if args.check:
-            return 0 if check(package, timer, work, args.threads) else 1
+            try:
+                return 0 if check(package, timer, work, args.threads) else 1
+            except OrtFailed as error:
+                fail(str(error))
         for config in configs:
             b, h_kv, c = config
             models = {}
             for mode in modes:
                 models[mode] = os.path.join(work, f"{mode}.onnx")
-                write_model(models[mode], b, h_kv, c if mode == "copied" else c + 1)
+                if alone:
+                    write_attention_model(models[mode], b, h_kv)
+                else:
+                    write_model(models[mode], b, h_kv, c if mode == "copied" else c + 1)
             samples = {f"ort_{mode}": [] for mode in modes}
             samples["mha"] = []
+            shapes, ort_error = None, None
             for _ in range(args.rounds):
                 for mode in modes:
-                    seconds, shapes = ort_seconds(package, timer, models[mode], config,
-                                                  c if mode == "copied" else c + 1, args.ort_runs, args.threads)
+                    if ort_error:
+                        continue
+                    # A configuration ONNX Runtime cannot run (its process killed for want of
+                    # memory) is recorded as such, mha's side still measured.
+                    try:
+                        seconds, shapes = ort_seconds(package, timer, models[mode], config,
+                                                      c if mode == "copied" else c + 1, args.ort_runs,
+                                                      args.threads)
+                    except OrtFailed as error:
+                        ort_error = f"{mode}: {error}"
+                        continue
                     samples[f"ort_{mode}"].append(seconds)
-                seconds, context = mha_seconds(args.mha_bench, config, args.repeats, args.threads)
+                seconds, context = mha_seconds(args.mha_bench, config, args.repeats, args.threads, alone)
                 samples["mha"].append(seconds)
-            row = {"B": b, "H_kv": h_kv, "context": c, "MiB_read": bytes_read(b, h_kv, c) / 2 ** 20,
-                   "ort_output_shapes": shapes}
+            read = bytes_read(b, h_kv, c, attention_only=alone)
+            row = {"B": b, "H_kv": h_kv, "context": c, "MiB_read": read / 2 ** 20, "ort_output_shapes": shapes}
+            if ort_error:
+                row["ort_error"] = ort_error
             for peer, values in samples.items():
-                row[f"{peer}_ms"] = 1e3 * statistics.median(values)
-                row[f"{peer}_GBps"] = bytes_read(b, h_kv, c) / statistics.median(values) * 1e-9
+                if values:
+                    row[f"{peer}_ms"] = 1e3 * statistics.median(values)
+                    row[f"{peer}_GBps"] = read / statistics.median(values) * 1e-9
             for mode in modes:
-                row[f"vs_ort_{mode}"] = row[f"ort_{mode}_ms"] / row["mha_ms"]
+                if f"ort_{mode}_ms" in row:
+                    row[f"vs_ort_{mode}"] = row[f"ort_{mode}_ms"] / row["mha_ms"]
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
 
     meta = {"command": " ".join([sys.executable] + sys.argv), "date": time.strftime("%Y-%m-%d %H:%M"),
             "threads": args.threads, "rounds": args.rounds, "repeats": args.repeats, "ort_runs": args.ort_runs,
-            "ort_cache": list(modes), "onnxruntime_node": package, "mha_bench_context": context,
+            "ort_cache": list(modes), "attention_only": alone, "onnxruntime_node": package, "mha_bench_context": context,
             "env": {k: os.environ.get(k, "") for k in ("OPENBLAS_CORETYPE", "OMP_NUM_THREADS", "OMP_WAIT_POLICY")}}
     header = (["B, H_kv, context", "MiB read"] + [f"ONNX Runtime {mode} ms" for mode in modes] + ["mha ms"]
               + [f"ONNX Runtime {mode} GB/s" for mode in modes] + ["mha GB/s"]
               + [f"mha / ORT {mode} speed-up" for mode in modes])
     print("| " + " | ".join(header) + " |")
     print("|---" * len(header) + "|")
+    def cell(row, key, spec):
+        return format(row[key], spec) if key in row else "failed"
+
     for r in rows:
         cells = ([f"{r['B']}, {r['H_kv']}, {r['context']}", f"{r['MiB_read']:.0f}"]
-                 + [f"{r[f'ort_{mode}_ms']:.2f}" for mode in modes] + [f"{r['mha_ms']:.2f}"]
-                 + [f"{r[f'ort_{mode}_GBps']:.1f}" for mode in modes] + [f"{r['mha_GBps']:.1f}"]
-                 + [f"{r[f'vs_ort_{mode}']:.2f}" for mode in modes])
+                 + [cell(r, f"ort_{mode}_ms", ".2f") for mode in modes] + [f"{r['mha_ms']:.2f}"]
+                 + [cell(r, f"ort_{mode}_GBps", ".1f") for mode in modes] + [f"{r['mha_GBps']:.1f}"]
+                 + [cell(r, f"vs_ort_{mode}", ".2f") for mode in modes])
         print("| " + " | ".join(cells) + " |")
+    for r in rows:
+        if "ort_error" in r:
+            print(f"B = {r['B']}, H_kv = {r['H_kv']}, context {r['context']}: {r['ort_error']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -147,6 +147,50 @@ def mem_available_bytes():
     return None
 
 
+def torch_blas(torch):
+    """The library that provides sgemm_ to torch in this process (a path), after one product.
+
+    Debian's python3-torch calls the system's libblas.so.3, which is whatever the alternatives
+    system points it at; on a machine without libopenblas0 that is the reference BLAS, about 30
+    times slower than OpenBLAS (on 2026-12-04 torch's forward ran at 3 GFLOP/s on it), which
+    makes any comparison with torch meaningless. Which library a call reaches is what the
+    dynamic linker resolves sgemm_ to, asked of it with dladdr; the libraries mapped are not
+    enough (OpenBLAS's LAPACK can be loaded beside the reference BLAS)."""
+    import ctypes
+
+    torch.ones(64, 64) @ torch.ones(64, 64)
+
+    class DlInfo(ctypes.Structure):
+        _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                    ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+    # dlsym through torch's own library's handle searches the libraries it depends on, in the
+    # order that resolved its calls (the process's global scope does not hold them: Python
+    # loads extensions RTLD_LOCAL).
+    with open("/proc/self/maps") as f:
+        libraries = [line.split()[-1] for line in f if "libtorch_cpu" in line]
+    if not libraries:
+        return "no libtorch_cpu in this process"
+    try:
+        sgemm = ctypes.cast(ctypes.CDLL(libraries[0]).sgemm_, ctypes.c_void_p)
+    except AttributeError:
+        return "no sgemm_ reachable from " + libraries[0]
+    info = DlInfo()
+    libc = ctypes.CDLL("libc.so.6")
+    libc.dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(DlInfo)]
+    if libc.dladdr(sgemm, ctypes.byref(info)) == 0 or not info.dli_fname:
+        return "sgemm_ from an unknown library"
+    return os.path.realpath(info.dli_fname.decode())
+
+
+def reference_blas_error(blas):
+    """An error message when torch's products would run on the reference BLAS, else None."""
+    if re.search(r"openblas|mkl|blis", blas):
+        return None
+    return (f"torch's sgemm_ is {blas}, not a tuned BLAS; install OpenBLAS: "
+            f"apt-get install libopenblas0-pthread")
+
+
 def cpu_model():
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10,
@@ -664,6 +708,10 @@ def main():
               f"(python3-torch)", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
+    blas = torch_blas(torch)
+    if reference_blas_error(blas):
+        print(f"error: {reference_blas_error(blas)}", file=sys.stderr)
+        return 2
 
     command = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
     meta = {
@@ -685,6 +733,7 @@ def main():
         "hostname": platform.node(),
         "torch_version": torch.__version__,
         "torch_num_threads": torch.get_num_threads(),
+        "torch_blas": blas,
         "torch_env": {k: os.environ.get(k) for k in
                       ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "OMP_WAIT_POLICY",
                        "OPENBLAS_CORETYPE", "GLIBC_TUNABLES")},
