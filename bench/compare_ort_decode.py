@@ -157,80 +157,82 @@ def bytes_read(b, h_kv, context, e=E, h=H, attention_only=False):
     return (0 if attention_only else 4 * (2 * e * e + 2 * kv * e)) + 4 * b * 2 * context * kv
 
 
+def import_onnx():
+    try:
+        import onnx
+        from onnx import TensorProto, helper
+    except ImportError as error:
+        fail(f"cannot import onnx ({error}): apt-get install python3-onnx, and run with /usr/bin/python3")
+    return onnx, TensorProto, helper
+
+
+def attention_parts(b, h_kv, query, key, value, e=E, h=H):
+    """What both models share: the GroupQueryAttention node on the named query, key and value, the
+    cache inputs (past_key, past_value, seqlens_k, total_sequence_length) and the present outputs."""
+    _, TensorProto, helper = import_onnx()
+    d = e // h
+    node = helper.make_node("GroupQueryAttention",
+                            [query, key, value, "past_key", "past_value", "seqlens_k", "total_sequence_length"],
+                            ["att", "present_key", "present_value"], domain="com.microsoft",
+                            num_heads=h, kv_num_heads=h_kv)
+    inputs = [helper.make_tensor_value_info("past_key", TensorProto.FLOAT, [b, h_kv, "past_length", d]),
+              helper.make_tensor_value_info("past_value", TensorProto.FLOAT, [b, h_kv, "past_length", d]),
+              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [b]),
+              helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])]
+    # Cache lengths symbolic: the op's shape inference gives present the past's length (as if shared), and
+    # ONNX Runtime would refuse a pre-allocated present of context + 1 positions after a past of context.
+    outputs = [helper.make_tensor_value_info("present_key", TensorProto.FLOAT, [b, h_kv, "present_length", d]),
+               helper.make_tensor_value_info("present_value", TensorProto.FLOAT, [b, h_kv, "present_length", d])]
+    return node, inputs, outputs
+
+
+def save_model(path, nodes, inputs, outputs, inits, name):
+    onnx, _, helper = import_onnx()
+    graph = helper.make_graph(nodes, name, inputs, outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 8
+    onnx.save(model, path)
+
+
 def write_model(path, b, h_kv, cache, e=E, h=H, attention_output=False):
     """The decoding step of the module docstring, past_key and past_value of `cache` positions;
     with attention_output, GroupQueryAttention's output is an output too. Returns the weights."""
-    try:
-        import numpy as np
-        import onnx
-        from onnx import TensorProto, helper, numpy_helper
-    except ImportError as error:
-        fail(f"cannot import onnx ({error}): apt-get install python3-onnx, and run with /usr/bin/python3")
-    d = e // h
-    kv = h_kv * d
+    import numpy as np
+    _, TensorProto, helper = import_onnx()
+    from onnx import numpy_helper
+    kv = h_kv * (e // h)
     r = np.random.default_rng(0)
     weights = {"w_qkv": r.standard_normal((e, e + 2 * kv)) * 0.02, "b_qkv": r.standard_normal(e + 2 * kv) * 0.02,
                "w_o": r.standard_normal((e, e)) * 0.02, "b_o": r.standard_normal(e) * 0.02}
     weights = {name: value.astype(np.float32) for name, value in weights.items()}
     inits = [numpy_helper.from_array(value, name) for name, value in weights.items()]
     inits.append(numpy_helper.from_array(np.array([e, kv, kv], np.int64), "split"))
+    attention, cache_inputs, present = attention_parts(b, h_kv, "q", "k", "v", e, h)
     nodes = [helper.make_node("MatMul", ["x", "w_qkv"], ["qkv0"]),
              helper.make_node("Add", ["qkv0", "b_qkv"], ["qkv"]),
              helper.make_node("Split", ["qkv", "split"], ["q", "k", "v"], axis=2),
-             helper.make_node("GroupQueryAttention",
-                              ["q", "k", "v", "past_key", "past_value", "seqlens_k", "total_sequence_length"],
-                              ["att", "present_key", "present_value"], domain="com.microsoft",
-                              num_heads=h, kv_num_heads=h_kv),
+             attention,
              helper.make_node("MatMul", ["att", "w_o"], ["y0"]),
              helper.make_node("Add", ["y0", "b_o"], ["y"])]
-    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [b, 1, e]),
-              helper.make_tensor_value_info("past_key", TensorProto.FLOAT, [b, h_kv, "past_length", d]),
-              helper.make_tensor_value_info("past_value", TensorProto.FLOAT, [b, h_kv, "past_length", d]),
-              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [b]),
-              helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])]
-    # Cache lengths symbolic: the op's shape inference gives present the past's length (as if shared), and
-    # ONNX Runtime would refuse a pre-allocated present of context + 1 positions after a past of context.
-    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [b, 1, e]),
-               helper.make_tensor_value_info("present_key", TensorProto.FLOAT, [b, h_kv, "present_length", d]),
-               helper.make_tensor_value_info("present_value", TensorProto.FLOAT, [b, h_kv, "present_length", d])]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [b, 1, e])] + cache_inputs
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [b, 1, e])] + present
     if attention_output:
         outputs.append(helper.make_tensor_value_info("att", TensorProto.FLOAT, [b, 1, e]))
-    graph = helper.make_graph(nodes, "decode", inputs, outputs, inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
-                                                    helper.make_opsetid("com.microsoft", 1)])
-    model.ir_version = 8
-    onnx.save(model, path)
+    save_model(path, nodes, inputs, outputs, inits, "decode")
     return weights
 
 
 def write_attention_model(path, b, h_kv, e=E, h=H):
     """The GroupQueryAttention op alone (see --attention-only in the module docstring)."""
-    try:
-        import onnx
-        from onnx import TensorProto, helper
-    except ImportError as error:
-        fail(f"cannot import onnx ({error}): apt-get install python3-onnx, and run with /usr/bin/python3")
-    d = e // h
-    kv = h_kv * d
-    node = helper.make_node("GroupQueryAttention",
-                            ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length"],
-                            ["att", "present_key", "present_value"], domain="com.microsoft",
-                            num_heads=h, kv_num_heads=h_kv)
+    _, TensorProto, helper = import_onnx()
+    kv = h_kv * (e // h)
+    attention, cache_inputs, present = attention_parts(b, h_kv, "query", "key", "value", e, h)
     inputs = [helper.make_tensor_value_info("query", TensorProto.FLOAT, [b, 1, e]),
               helper.make_tensor_value_info("key", TensorProto.FLOAT, [b, 1, kv]),
-              helper.make_tensor_value_info("value", TensorProto.FLOAT, [b, 1, kv]),
-              helper.make_tensor_value_info("past_key", TensorProto.FLOAT, [b, h_kv, "past_length", d]),
-              helper.make_tensor_value_info("past_value", TensorProto.FLOAT, [b, h_kv, "past_length", d]),
-              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [b]),
-              helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])]
-    outputs = [helper.make_tensor_value_info("att", TensorProto.FLOAT, [b, 1, e]),
-               helper.make_tensor_value_info("present_key", TensorProto.FLOAT, [b, h_kv, "present_length", d]),
-               helper.make_tensor_value_info("present_value", TensorProto.FLOAT, [b, h_kv, "present_length", d])]
-    graph = helper.make_graph([node], "decode_attention", inputs, outputs)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
-                                                    helper.make_opsetid("com.microsoft", 1)])
-    model.ir_version = 8
-    onnx.save(model, path)
+              helper.make_tensor_value_info("value", TensorProto.FLOAT, [b, 1, kv])] + cache_inputs
+    outputs = [helper.make_tensor_value_info("att", TensorProto.FLOAT, [b, 1, e])] + present
+    save_model(path, [attention], inputs, outputs, [], "decode_attention")
 
 
 def run_timer(package, timer, model, sizes, runs, threads, io=None):
