@@ -707,6 +707,60 @@ void projection(benchmark::State& state) {
             2.0 * static_cast<double>(L) * static_cast<double>(E) * static_cast<double>(N));
 }
 
+// The same product with W packed once, before the timing, as ONNX Runtime packs a session's
+// weights: what packing at every call costs the layer's projections (a tenth of the forward at
+// L = 128, E = 768 on a Zen 4, bench/RESULTS.md). The rows go in slabs of whole micro-tiles, each
+// multiplied by the shared packed W (kernels/packed_gemm.hpp's multiply_packed_rhs); its result
+// must equal `projection`'s bit for bit, else the benchmark fails.
+void projection_prepacked(benchmark::State& state) {
+  using Shape = mha::detail::PackedGemmShape;
+  const mha::Index L = state.range(0), E = state.range(1), N = state.range(2);
+  if (!mha::detail::packed_gemm_available()) {
+    state.SkipWithError("the packed GEMM does not run on this CPU");
+    return;
+  }
+  const auto x = random_tensor({L, E}, 1), w = random_tensor({N, E}, 2);
+  mha::Tensor<float> dst({L, N}), expected({L, N});
+  std::vector<mha::detail::KernelScratch<float>> scratch;
+  mha::detail::product_transposed<float, float>(
+      mha::detail::strided(expected.matrix()), mha::detail::const_strided(x.matrix()),
+      Eigen::Map<const mha::Matrix<float>>(w.data(), N, E), mha::detail::Accumulate::no, scratch);
+  const mha::Index width = mha::detail::packed_width(N);
+  std::vector<float, Eigen::aligned_allocator<float>> packed(static_cast<std::size_t>(E * width));
+  const mha::detail::PackedOperand transposed_w{w.data(), 1, E};  // (k, n) at w[n · E + k]
+  for (mha::Index k0 = 0; k0 < E; k0 += Shape::kKc) {
+    mha::detail::pack_rhs(transposed_w, k0, std::min(Shape::kKc, E - k0), 0, N,
+                          packed.data() + k0 * width);
+  }
+  // One slab of whole micro-tiles per thread (an element's sums do not depend on where the rows
+  // are cut, see packed_gemm.hpp): 8 slabs of 18 rows on two threads had given one 72 rows of
+  // 128, which cost what the packing saved.
+  const mha::Index tiles = (L + Shape::kMr - 1) / Shape::kMr;
+  const mha::Index slabs = std::min<mha::Index>(mha::detail::max_threads(), tiles);
+  const auto multiply = [&] {
+    MHA_OMP_PRAGMA(omp parallel for schedule(static))
+    for (mha::Index slab = 0; slab < slabs; ++slab) {
+      const mha::Index first = tiles * slab / slabs * Shape::kMr;
+      const mha::Index rows = std::min(L, tiles * (slab + 1) / slabs * Shape::kMr) - first;
+      mha::detail::multiply_packed_rhs(rows, N, E,
+                                       mha::detail::PackedOperand{x.data() + first * E, E, 1},
+                                       packed.data(), 1.0F, false, dst.data() + first * N, N);
+    }
+  };
+  multiply();
+  if (!std::equal(dst.data(), dst.data() + dst.size(), expected.data())) {
+    state.SkipWithError("the prepacked product differs from the layer's");
+    return;
+  }
+  const WallClock wall;
+  for (auto _ : state) {
+    multiply();
+    benchmark::DoNotOptimize(dst.data());
+  }
+  set_flops(state, wall,
+            2.0 * static_cast<double>(L) * static_cast<double>(E) * static_cast<double>(N));
+}
+
 using Config = std::array<std::int64_t, 4>;  // B, L, E, H
 
 const std::vector<Config> kDefaultConfigs = {{1, 128, 768, 12}, {8, 128, 512, 8},
@@ -906,18 +960,25 @@ BENCHMARK_TEMPLATE(precision_decode, Eigen::bfloat16)
     ->Arg(16)
     ->Arg(2048)
     ->Unit(benchmark::kMillisecond);
-BENCHMARK(projection)
-    ->Name("projection")
-    ->ArgNames({"L", "E", "N"})
-    ->Args({128, 768, 2304})
-    ->Args({512, 512, 1536})
-    ->Args({512, 512, 512})
-    ->Args({2048, 512, 1536})
-    ->Args({2048, 1024, 3072})
-    ->Args({1024, 1024, 1024})
-    ->Unit(benchmark::kMillisecond)
-    ->Setup(measure_peak_before_run)
-    ->Teardown(forget_peak_before_run);
+// The layer's projection shapes (L, E, N): the packed q, k, v projection and the output's at L =
+// 128, 512, 1024 and 2048.
+void projection_shapes(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"L", "E", "N"});
+  for (const auto& shape : std::vector<std::vector<std::int64_t>>{{128, 768, 2304},
+                                                                  {128, 768, 768},
+                                                                  {512, 512, 1536},
+                                                                  {512, 512, 512},
+                                                                  {2048, 512, 1536},
+                                                                  {2048, 1024, 3072},
+                                                                  {1024, 1024, 1024}}) {
+    b->Args(shape);
+  }
+  b->Unit(benchmark::kMillisecond)
+      ->Setup(measure_peak_before_run)
+      ->Teardown(forget_peak_before_run);
+}
+BENCHMARK(projection)->Name("projection")->Apply(projection_shapes);
+BENCHMARK(projection_prepacked)->Name("projection_prepacked")->Apply(projection_shapes);
 BENCHMARK(gemm)->Name("gemm")->ArgName("N")->Arg(512)->Arg(1024)->Unit(benchmark::kMillisecond);
 
 // Google Benchmark's main, with the ceilings measured before the first benchmark and written
