@@ -10,6 +10,7 @@
 #include "mha/diagnostics.hpp"
 #include "mha/errors.hpp"
 #include "mha/finite.hpp"
+#include "mha/frozen.hpp"
 #include "mha/heads.hpp"
 #include "mha/heatmap.hpp"
 #include "mha/init.hpp"

@@ -83,6 +83,9 @@
 namespace mha {
 
 template <class T>
+class FrozenMultiHeadAttention;
+
+template <class T>
 class MultiHeadAttention {
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double> ||
                     std::is_same_v<T, Eigen::half> || std::is_same_v<T, Eigen::bfloat16>,
@@ -299,6 +302,7 @@ class MultiHeadAttention {
                           const std::vector<Index>& new_tokens = {}) const;
 
  private:
+  friend class FrozenMultiHeadAttention<T>;  // forwards with its packed weights (mha/frozen.hpp)
   static constexpr std::uint64_t kDropoutSeedSalt = 0xD409A7E5EEDull;
 
   detail::LayerParameters<T> parameters_;
@@ -324,7 +328,7 @@ void MultiHeadAttention<T>::forward(TensorView<const T> query, TensorView<const 
   const detail::ForwardPlan plan = detail::plan_forward(parameters_, query, key, value, options);
   const auto core = detail::core_options(parameters_, plan, options);
   detail::run_forward(parameters_, plan, core, query, key, value, options, workspace, result,
-                      nullptr);
+                      nullptr, nullptr);
 }
 
 template <class T>

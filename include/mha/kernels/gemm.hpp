@@ -92,6 +92,13 @@ void dot_products(StridedMap<T> dst, ConstStridedMap<T> lhs, ConstStridedMap<T> 
   }
 }
 
+// Whether threaded_product computes dst [rows, cols] = lhs · rowsᵀ as dot_products: a few rows
+// (a decoding step's tokens) against many more columns.
+inline bool few_rows_product(Index rows, Index cols) {
+  constexpr Index kSmallRows = 16;
+  return rows <= kSmallRows && cols > rows;
+}
+
 // threaded_product's slabs of rows on the packed GEMM (packed_gemm.hpp): op(rhs), which every slab
 // multiplies, packed once and shared (its panels split between the threads), rather than once
 // per slab as tile_product would; each slab then multiplies its rows by it, element for element
@@ -143,14 +150,14 @@ inline void packed_slabs(StridedMap<float> dst, const ConstStridedMap<float>& lh
 template <class T>
 void threaded_product(StridedMap<T> dst, ConstStridedMap<T> lhs, Operand lhs_op,
                       ConstStridedMap<T> rhs, Operand rhs_op, Accumulate accumulate) {
-  constexpr Index kMaxSlabs = 8, kMinSlab = 32, kSmallRows = 16, kDotSlab = 64;
+  constexpr Index kMaxSlabs = 8, kMinSlab = 32, kDotSlab = 64;
   const bool lhs_transposed = lhs_op == Operand::transposed;
   const bool rhs_transposed = rhs_op == Operand::transposed;
   [[maybe_unused]] const double work =
       static_cast<double>(dst.rows()) * static_cast<double>(dst.cols()) *
       static_cast<double>(lhs_transposed ? lhs.rows() : lhs.cols());
   // A transposed right operand has contiguous columns: its rows, as stored.
-  if (!lhs_transposed && rhs_transposed && dst.rows() <= kSmallRows && dst.cols() > dst.rows()) {
+  if (!lhs_transposed && rhs_transposed && few_rows_product(dst.rows(), dst.cols())) {
     const Index slabs = (dst.cols() + kDotSlab - 1) / kDotSlab;
     MHA_OMP_PRAGMA(
         omp parallel for schedule(static) if (max_threads() > 1 && work >= kMinParallelWork))

@@ -221,13 +221,15 @@ void average_over_heads(const Tensor<Compute>& per_head, Tensor<Compute>& averag
 }
 
 // The forward pass proper, after plan_forward and core_options: into result, with workspace's
-// buffers; logsumexp is null or (B, H, L) for the flash kernel's backward.
+// buffers; logsumexp is null or (B, H, L) for the flash kernel's backward; packed is null or a
+// frozen layer's packed weights (the same results, bit for bit).
 template <class T>
 void run_forward(const LayerParameters<T>& parameters, const ForwardPlan& plan,
                  const CoreOptions<compute_t<T>>& core, const TensorView<const T>& query,
                  const TensorView<const T>& key, const TensorView<const T>& value,
                  const ForwardOptions<T>& options, Workspace<T>& workspace,
-                 ForwardResult<T>& result, compute_t<T>* logsumexp) {
+                 ForwardResult<T>& result, compute_t<T>* logsumexp,
+                 const PackedProjections* packed) {
   using Compute = compute_t<T>;
   const ParameterSet<T>& values = parameters.values();
   const Index heads = parameters.num_heads(), inner = parameters.inner_dim();
@@ -241,8 +243,20 @@ void run_forward(const LayerParameters<T>& parameters, const ForwardPlan& plan,
     // [B*L, H·D + 2·H_kv·D]: heads read q, k and v at their column offsets.
     Matrix<Compute>& qkv = workspace.qkv;
     qkv.resize(batch * query_len, inner + 2 * kv_width);
-    product_transposed<Compute>(strided(qkv), const_strided(as_compute(query, workspace.query)),
-                                values.in_proj_weight.matrix(), Accumulate::no, workspace.kernel);
+    const ConstStridedMap<Compute> input = const_strided(as_compute(query, workspace.query));
+    if (packed != nullptr && runs_prepacked(packed->query, qkv.rows())) {
+      // Three products into qkv's column blocks: an element's sums are the same wherever the
+      // columns are cut.
+      for (int which = 0; which < 3; ++which) {
+        project_rows<Compute>(strided(qkv.middleCols(parameters.bias_offset(which),
+                                                     parameters.projection_width(which))),
+                              input, parameters.weight_rows(which), &packed->input(which),
+                              workspace.kernel);
+      }
+    } else {
+      product_transposed<Compute>(strided(qkv), input, values.in_proj_weight.matrix(),
+                                  Accumulate::no, workspace.kernel);
+    }
     if (parameters.config().bias) {
       qkv.rowwise() += values.in_proj_bias.flat().transpose().template cast<Compute>();
     }
@@ -253,14 +267,16 @@ void run_forward(const LayerParameters<T>& parameters, const ForwardPlan& plan,
   } else {
     // q [B*L, H·D]; k, v [B*S', H_kv·D] with the extra rows after each batch's S projected rows.
     workspace.q.resize(batch * query_len, inner);
-    product_transposed<Compute>(strided(workspace.q),
-                                const_strided(as_compute(query, workspace.query)),
-                                parameters.weight_rows(0), Accumulate::no, workspace.kernel);
+    const auto packed_weight = [&](int which) {
+      return packed == nullptr ? nullptr : &packed->input(which);
+    };
+    project_rows<Compute>(strided(workspace.q), const_strided(as_compute(query, workspace.query)),
+                          parameters.weight_rows(0), packed_weight(0), workspace.kernel);
     add_bias(parameters, workspace.q, 0);
     project_keys(parameters, as_compute(key, workspace.key), 1, batch, plan.key_len, total_keys,
-                 values.bias_k, workspace.k, workspace.kernel);
+                 values.bias_k, workspace.k, workspace.kernel, packed_weight(1));
     project_keys(parameters, as_compute(value, workspace.value), 2, batch, plan.key_len, total_keys,
-                 values.bias_v, workspace.v, workspace.kernel);
+                 values.bias_v, workspace.v, workspace.kernel, packed_weight(2));
     q_data = workspace.q.data();
     k_data = workspace.k.data();
     v_data = workspace.v.data();
@@ -298,7 +314,8 @@ void run_forward(const LayerParameters<T>& parameters, const ForwardPlan& plan,
     heads_output = &workspace.gated;
   }
   result.output.resize(plan.query_shape);
-  project_output(parameters, *heads_output, result.output, workspace.output, workspace.kernel);
+  project_output(parameters, *heads_output, result.output, workspace.output, workspace.kernel,
+                 packed == nullptr ? nullptr : &packed->output);
 
   if (!options.need_weights) {
     result.attn_weights = Tensor<T>();
@@ -338,7 +355,8 @@ void run_forward(const LayerParameters<T>& parameters, const ForwardPlan& plan,
   PREFIX template void run_forward<T>(                                                    \
       const LayerParameters<T>&, const ForwardPlan&, const CoreOptions<compute_t<T>>&,    \
       const TensorView<const T>&, const TensorView<const T>&, const TensorView<const T>&, \
-      const ForwardOptions<T>&, Workspace<T>&, ForwardResult<T>&, compute_t<T>*);
+      const ForwardOptions<T>&, Workspace<T>&, ForwardResult<T>&, compute_t<T>*,          \
+      const PackedProjections*);
 // NOLINTEND(bugprone-macro-parentheses)
 MHA_EXTERN_TEMPLATES(MHA_LAYER_TYPES, MHA_LAYER_FORWARD_TEMPLATES)
 

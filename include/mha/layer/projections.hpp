@@ -4,11 +4,16 @@
 //            projected rows come bias_k / bias_v (add_bias_kv), then a zero row (add_zero_attn)
 //   output   [B*L, H·D]  -> [B*L, E]
 // A 16-bit layer projects in float: its inputs are widened once, its weights as they are
-// multiplied (product_transposed in kernels/gemm.hpp), and its output is rounded once.
+// multiplied (product_transposed in kernels/gemm.hpp), and its output is rounded once. A frozen
+// float layer (mha/frozen.hpp) multiplies by weights packed once (PackedProjections), with the
+// same rounding.
 #pragma once
+
+#include <type_traits>
 
 #include "mha/kernels/convert.hpp"
 #include "mha/kernels/gemm.hpp"
+#include "mha/kernels/prepacked_gemm.hpp"
 #include "mha/layer/parameters.hpp"
 #include "mha/tensor.hpp"
 
@@ -29,6 +34,44 @@ Eigen::Map<const Matrix<compute_t<T>>> as_compute(const TensorView<const T>& inp
   }
 }
 
+// The four projections' weights packed once (kernels/prepacked_gemm.hpp): W_q, W_k, W_v (the
+// row blocks of in_proj_weight, or q/k/v_proj_weight) and W_o. Empty for the types and CPUs the
+// packed GEMM does not serve, whose frozen layers then project as the layer does.
+struct PackedProjections {
+  PackedWeight query, key, value, output;
+
+  const PackedWeight& input(int which) const {
+    return which == 0 ? query : which == 1 ? key : value;
+  }
+
+  template <class T>
+  static PackedProjections pack(const LayerParameters<T>& parameters) {
+    PackedProjections packed;
+    if constexpr (std::is_same_v<T, float>) {
+      packed.query = PackedWeight::pack(parameters.weight_rows(0));
+      packed.key = PackedWeight::pack(parameters.weight_rows(1));
+      packed.value = PackedWeight::pack(parameters.weight_rows(2));
+      packed.output = PackedWeight::pack(parameters.values().out_proj_weight.matrix());
+    }
+    return packed;
+  }
+};
+
+// dst [rows, N] = lhs [rows, K] · Wᵀ, on W's packed panels when `packed` holds them (and the
+// product is not one of a few rows), else as product_transposed multiplies.
+template <class Compute, class Stored>
+void project_rows(StridedMap<Compute> dst, ConstStridedMap<Compute> lhs,
+                  const Eigen::Map<const Matrix<Stored>>& weight, const PackedWeight* packed,
+                  std::vector<KernelScratch<Compute>>& scratch) {
+  if constexpr (std::is_same_v<Compute, float> && std::is_same_v<Stored, float>) {
+    if (packed != nullptr && runs_prepacked(*packed, dst.rows())) {
+      multiply_prepacked(dst, lhs, *packed);
+      return;
+    }
+  }
+  product_transposed<Compute>(dst, lhs, weight, Accumulate::no, scratch);
+}
+
 // rows [n, width of projection `which`] += the projection's bias (nothing without bias).
 template <class T, class Rows>
 void add_bias(const LayerParameters<T>& parameters, Rows& rows, int which) {
@@ -47,15 +90,15 @@ void project_keys(const LayerParameters<T>& parameters,
                   const Eigen::Map<const Matrix<compute_t<T>>>& input, int which, Index batch,
                   Index key_len, Index total_keys, const Tensor<T>& extra_row,
                   Matrix<compute_t<T>>& projected,
-                  std::vector<KernelScratch<compute_t<T>>>& scratch) {
+                  std::vector<KernelScratch<compute_t<T>>>& scratch,
+                  const PackedWeight* packed = nullptr) {
   using Compute = compute_t<T>;
   const MultiHeadAttentionConfig& config = parameters.config();
   const Index width = input.cols();
   projected.resize(batch * total_keys, parameters.kv_dim());
   const auto weight = parameters.weight_rows(which);
   if (total_keys == key_len) {  // no extra rows: one GEMM over every batch
-    product_transposed<Compute>(strided(projected), const_strided(input), weight, Accumulate::no,
-                                scratch);
+    project_rows<Compute>(strided(projected), const_strided(input), weight, packed, scratch);
     add_bias(parameters, projected, which);
     return;
   }
@@ -63,8 +106,7 @@ void project_keys(const LayerParameters<T>& parameters,
     auto rows = projected.middleRows(b * total_keys, key_len);
     const Eigen::Map<const Matrix<Compute>> input_rows(input.data() + b * key_len * width, key_len,
                                                        width);
-    product_transposed<Compute>(strided(rows), const_strided(input_rows), weight, Accumulate::no,
-                                scratch);
+    project_rows<Compute>(strided(rows), const_strided(input_rows), weight, packed, scratch);
     add_bias(parameters, rows, which);
     Index next = b * total_keys + key_len;
     if (config.add_bias_kv) {
@@ -122,12 +164,13 @@ void backward_projection(LayerParameters<T>& parameters, const Matrix<T>& grad_y
 template <class T>
 void project_output(const LayerParameters<T>& parameters, const Matrix<compute_t<T>>& heads_output,
                     Tensor<T>& output, Matrix<compute_t<T>>& buffer,
-                    std::vector<KernelScratch<compute_t<T>>>& scratch) {
+                    std::vector<KernelScratch<compute_t<T>>>& scratch,
+                    const PackedWeight* packed = nullptr) {
   using Compute = compute_t<T>;
   const ParameterSet<T>& values = parameters.values();
   const auto project = [&](auto&& rows) {
-    product_transposed<Compute>(strided(rows), const_strided(heads_output),
-                                values.out_proj_weight.matrix(), Accumulate::no, scratch);
+    project_rows<Compute>(strided(rows), const_strided(heads_output),
+                          values.out_proj_weight.matrix(), packed, scratch);
     if (parameters.config().bias) {
       rows.rowwise() += values.out_proj_bias.flat().transpose().template cast<Compute>();
     }

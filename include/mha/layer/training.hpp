@@ -99,7 +99,7 @@ void forward_train(LayerParameters<T>& parameters, const void* layer, Random& dr
   const TensorView<const T> saved_query = saved.query.view();
   run_forward(parameters, plan, core, saved_query, plan.fused ? saved_query : saved.key.view(),
               plan.fused ? saved_query : saved.value.view(), saved.options, saved.workspace, result,
-              plan.kernel == Kernel::flash ? saved.logsumexp.data() : nullptr);
+              plan.kernel == Kernel::flash ? saved.logsumexp.data() : nullptr, nullptr);
   parameters.ensure_gradients();
   saved.plan = plan;
   saved.dropout = core.dropout;
