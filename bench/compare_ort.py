@@ -20,14 +20,16 @@ optimisations. The package is looked for in $ORT_NODE, then in --ort-dir (defaul
 post-install step that would download GPU binaries), else it says how and stops. Neither npm nor
 ONNX Runtime is a dependency of the library or its tests.
 
-mha: `mha_bench --benchmark_filter=^forward/auto/B:<b>/L:<l>/E:<e>/H:<h>$`, --repeats repetitions,
-the median aggregate, OMP_NUM_THREADS=--threads. PyTorch: nn.MultiheadAttention in eval mode under
+mha: `mha_bench --benchmark_filter=^forward/auto/B:<b>/L:<l>/E:<e>/H:<h>$` (the layer, which packs
+its weights at every call, as they may change between calls), and `forward_frozen/auto/...` (a
+FrozenMultiHeadAttention, its weights packed once, as ONNX Runtime packs them when the session is
+made), --repeats repetitions, the median aggregate, OMP_NUM_THREADS=--threads. PyTorch: nn.MultiheadAttention in eval mode under
 inference_mode, need_weights=False, as bench/compare_pytorch.py times it (OPENBLAS_NUM_THREADS and
 OMP_WAIT_POLICY=PASSIVE set for this process before torch is imported, torch.set_num_threads).
 
-Each round runs ONNX Runtime, mha and PyTorch in turn on a configuration; reported per
-configuration: the median over all rounds of each one's per-round median, GFLOP/s with
-FLOPs = B·(8·L·E² + 4·L²·E), and mha's speed-up over each (> 1: mha is faster).
+Each round runs ONNX Runtime, mha's layer, the frozen layer and PyTorch in turn on a configuration;
+reported per configuration: the median over all rounds of each one's per-round median, GFLOP/s with
+FLOPs = B·(8·L·E² + 4·L²·E), and mha's speed-ups over each (> 1: mha is faster).
 """
 import argparse
 import json
@@ -128,9 +130,9 @@ def ort_seconds(package, timer, model, config, repeats, threads):
     return json.loads(out.stdout)["median"]
 
 
-def mha_seconds(binary, config, repeats, threads):
+def mha_seconds(binary, config, repeats, threads, variant="forward"):
     b, l, e, h = config
-    return benchmark_seconds(binary, f"forward/auto/B:{b}/L:{l}/E:{e}/H:{h}", repeats, threads)
+    return benchmark_seconds(binary, f"{variant}/auto/B:{b}/L:{l}/E:{e}/H:{h}", repeats, threads)
 
 
 def benchmark_seconds(binary, name, repeats, threads):
@@ -186,11 +188,13 @@ def main(argv=None):
             model = os.path.join(work, "model.onnx")
             write_model(model, b, l, e, h)
             side = TorchSide(torch, b, l, e, h, 0) if torch else None
-            samples = {"ort": [], "mha": [], "torch": []}
+            samples = {"ort": [], "mha": [], "mha_frozen": [], "torch": []}
             for _ in range(args.rounds):
                 samples["ort"].append(ort_seconds(package, timer, model, config, args.repeats, args.threads))
                 seconds, context = mha_seconds(args.mha_bench, config, args.repeats, args.threads)
                 samples["mha"].append(seconds)
+                seconds, _ = mha_seconds(args.mha_bench, config, args.repeats, args.threads, "forward_frozen")
+                samples["mha_frozen"].append(seconds)
                 if side:
                     side.call_seconds()  # warm-up
                     samples["torch"].append(statistics.median(side.call_seconds() for _ in range(args.repeats)))
@@ -200,6 +204,7 @@ def main(argv=None):
                     row[f"{peer}_ms"] = 1e3 * statistics.median(values)
                     row[f"{peer}_gflops"] = flops(b, l, e) / statistics.median(values) * 1e-9
             row["vs_ort"] = row["ort_ms"] / row["mha_ms"]
+            row["frozen_vs_ort"] = row["ort_ms"] / row["mha_frozen_ms"]
             if "torch_ms" in row:
                 row["vs_torch"] = row["torch_ms"] / row["mha_ms"]
             rows.append(row)
@@ -211,14 +216,16 @@ def main(argv=None):
     if torch:
         meta["torch"] = torch.__version__
         meta["torch_blas"] = blas
-    print(f"| B, L, E, H | ONNX Runtime ms | mha ms | {'PyTorch ms | ' if torch else ''}mha / ORT speed-up | "
-          f"{'mha / PyTorch speed-up | ' if torch else ''}mha GFLOP/s |")
-    print("|---" * (7 if torch else 5) + "|")
+    print(f"| B, L, E, H | ONNX Runtime ms | mha ms | frozen ms | {'PyTorch ms | ' if torch else ''}"
+          f"mha / ORT speed-up | frozen / ORT speed-up | {'mha / PyTorch speed-up | ' if torch else ''}"
+          f"mha GFLOP/s | frozen GFLOP/s |")
+    print("|---" * (10 if torch else 8) + "|")
     for r in rows:
         torch_cells = f"{r['torch_ms']:.2f} | " if torch else ""
         torch_ratio = f"{r['vs_torch']:.2f} | " if torch else ""
-        print(f"| {r['B']}, {r['L']}, {r['E']}, {r['H']} | {r['ort_ms']:.2f} | {r['mha_ms']:.2f} | {torch_cells}"
-              f"{r['vs_ort']:.2f} | {torch_ratio}{r['mha_gflops']:.0f} |")
+        print(f"| {r['B']}, {r['L']}, {r['E']}, {r['H']} | {r['ort_ms']:.2f} | {r['mha_ms']:.2f} | "
+              f"{r['mha_frozen_ms']:.2f} | {torch_cells}{r['vs_ort']:.2f} | {r['frozen_vs_ort']:.2f} | "
+              f"{torch_ratio}{r['mha_gflops']:.0f} | {r['mha_frozen_gflops']:.0f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)

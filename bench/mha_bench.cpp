@@ -143,13 +143,13 @@ mha::Tensor<float> random_tensor(const mha::Shape& shape, std::uint64_t seed) {
   return t;
 }
 
-// The FMA peak measured around each run of the layer's benchmarks (forward/, forward_fresh/,
-// train/, sdpa/, projection/): just before it (their Setup, measure_peak_before_run) and just after
-// it (set_flops), the larger of the two. This host's speed changes within minutes (the same
-// configuration ran at 0.707 and at 0.562 of the run's best peak minutes apart, bench/RESULTS.md
-// 2026-12-03, second session), so a fraction of a peak measured at another moment carries that
-// change as well as the code's; a peak measured beside the run shares the run's CPU time (not its
-// caches' or memory's contention, which an FMA loop does not feel).
+// The FMA peak measured around each run of the layer's benchmarks (forward/, forward_frozen/,
+// forward_fresh/, train/, sdpa/, projection/): just before it (their Setup,
+// measure_peak_before_run) and just after it (set_flops), the larger of the two. This host's speed
+// changes within minutes (the same configuration ran at 0.707 and at 0.562 of the run's best peak
+// minutes apart, bench/RESULTS.md 2026-12-03, second session), so a fraction of a peak measured at
+// another moment carries that change as well as the code's; a peak measured beside the run shares
+// the run's CPU time (not its caches' or memory's contention, which an FMA loop does not feel).
 constexpr double kNearbyPeakSeconds = 0.05;
 double g_peak_before_run = 0;
 void measure_peak_before_run(const benchmark::State& /*state*/) {
@@ -214,9 +214,12 @@ void ceiling_read(benchmark::State& state) {
   ceilings.read_gbs = std::max(ceilings.read_gbs, best);
 }
 
+// With `frozen` (forward_frozen/): the same layer as a FrozenMultiHeadAttention, its weights
+// packed once before the timing, as ONNX Runtime packs them when its session is made.
+template <class Layer = mha::MultiHeadAttention<float>>
 void forward(benchmark::State& state, mha::Kernel kernel, bool fresh = false) {
   const mha::Index B = state.range(0), L = state.range(1), E = state.range(2), H = state.range(3);
-  const mha::MultiHeadAttention<float> layer(E, H);
+  const Layer layer{mha::MultiHeadAttention<float>(E, H)};
   const auto x = random_tensor({B, L, E}, 1);
   mha::ForwardOptions<float> options;
   options.need_weights = false;
@@ -830,6 +833,11 @@ BENCHMARK_CAPTURE(forward, reference, mha::Kernel::reference)
     ->Apply(reference_shapes);
 BENCHMARK_CAPTURE(forward, flash, mha::Kernel::flash)->Name("forward/flash")->Apply(sweep_shapes);
 BENCHMARK_CAPTURE(forward, auto, mha::Kernel::automatic) -> Name("forward/auto")
+    -> Apply(sweep_shapes);
+void forward_frozen(benchmark::State& state, mha::Kernel kernel) {
+  forward<mha::FrozenMultiHeadAttention<float>>(state, kernel);
+}
+BENCHMARK_CAPTURE(forward_frozen, auto, mha::Kernel::automatic) -> Name("forward_frozen/auto")
     -> Apply(sweep_shapes);
 BENCHMARK_CAPTURE(forward, fresh, mha::Kernel::automatic, true)
     ->Name("forward_fresh/auto")
