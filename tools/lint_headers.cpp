@@ -10,6 +10,7 @@
 #include "mha/diagnostics.hpp"
 #include "mha/errors.hpp"
 #include "mha/finite.hpp"
+#include "mha/frozen.hpp"
 #include "mha/heads.hpp"
 #include "mha/heatmap.hpp"
 #include "mha/heatmap_impl.hpp"
@@ -28,6 +29,7 @@
 #include "mha/kernels/flash_small_head.hpp"
 #include "mha/kernels/gemm.hpp"
 #include "mha/kernels/packed_gemm.hpp"
+#include "mha/kernels/prepacked_gemm.hpp"
 #include "mha/kernels/reference.hpp"
 #include "mha/kernels/talking_heads.hpp"
 #include "mha/kernels/tile_product.hpp"
@@ -56,6 +58,7 @@
 #endif
 
 template class mha::MultiHeadAttention<float>;
+template class mha::FrozenMultiHeadAttention<float>;
 template class mha::KVCache<float>;
 template class mha::Mask<float>;
 template class mha::Sgd<float>;

@@ -59,7 +59,7 @@ inline bool runs_prepacked(const PackedWeight& weight, Index rows) {
 // one slab of whole micro-tiles per thread: the panels are shared, and each thread packs only
 // its own rows. (8 slabs of 18 rows at M = 128 gave one of two threads 72 rows, which cost what
 // the packing saved: bench/RESULTS.md, 2026-12-04 evening.)
-inline void multiply_prepacked(StridedMap<float> dst, ConstStridedMap<float> lhs,
+inline void multiply_prepacked(StridedMap<float> dst, const ConstStridedMap<float>& lhs,
                                const PackedWeight& weight) {
   using S = PackedGemmShape;
   const Index rows = dst.rows();
