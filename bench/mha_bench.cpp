@@ -764,6 +764,62 @@ void projection_prepacked(benchmark::State& state) {
             2.0 * static_cast<double>(L) * static_cast<double>(E) * static_cast<double>(N));
 }
 
+// The AVX-512 micro-kernel's two tiles alone (kernels/packed_gemm.hpp's micro_tile_avx512): 6 x 32
+// (one panel of A) and 12 x 32 (two), rows = range(0), over 72 packed rows of A and B_cols =
+// range(1) packed columns at the depth of a slice (kKc = 256), as multiply_panels sweeps them:
+// each row panel (or pair) against every two panels of B, the sums added to a tile of dst. Every
+// thread runs its own copy at once, so that B's bytes stream as in the layer's products: from L2
+// at 64 and 1024 columns (64 KiB and 1 MiB of B), from beyond it at 8192 (8 MiB), where the
+// first row panel of each chunk of a product takes its B.
+void micro_tile(benchmark::State& state) {
+  using Shape = mha::detail::PackedGemmShape;
+  const mha::Index rows = state.range(0), cols = state.range(1), depth = Shape::kKc;
+  const mha::Index a_rows = 72;
+  if (!mha::detail::cpu_has_avx512f()) {
+    state.SkipWithError("the AVX-512 micro-kernels do not run on this CPU");
+    return;
+  }
+  const auto threads = static_cast<mha::Index>(mha::detail::max_threads());
+  std::vector<float, Eigen::aligned_allocator<float>> a(static_cast<std::size_t>(a_rows * depth),
+                                                        0.5F);
+  std::vector<std::vector<float, Eigen::aligned_allocator<float>>> b, dst;
+  for (mha::Index t = 0; t < threads; ++t) {
+    b.emplace_back(static_cast<std::size_t>(cols * depth), 0.25F);
+    dst.emplace_back(static_cast<std::size_t>(a_rows * cols), 0.0F);
+  }
+  const auto sweep = [&](mha::Index t) {
+    const float* panels = b[static_cast<std::size_t>(t)].data();
+    float* out = dst[static_cast<std::size_t>(t)].data();
+    for (mha::Index i = 0; i < a_rows; i += rows) {
+      for (mha::Index j = 0; j < cols; j += 2 * Shape::kNr) {
+        const float* b_panel = panels + j * depth;
+        if (rows == 2 * Shape::kMr) {
+          mha::detail::micro_tile_avx512<2, 2>(depth, a.data() + i * depth, 1, Shape::kMr,
+                                               Shape::kMr * depth, b_panel, Shape::kNr * depth,
+                                               Shape::kNr, 1.0F, false, out + i * cols + j, cols);
+        } else {
+          mha::detail::micro_tile_avx512<1, 2>(depth, a.data() + i * depth, 1, Shape::kMr, 0,
+                                               b_panel, Shape::kNr * depth, Shape::kNr, 1.0F, false,
+                                               out + i * cols + j, cols);
+        }
+      }
+    }
+  };
+  const auto run = [&] {
+    MHA_OMP_PRAGMA(omp parallel for schedule(static))
+    for (mha::Index t = 0; t < threads; ++t) sweep(t);
+  };
+  run();
+  const WallClock wall;
+  for (auto _ : state) {
+    run();
+    benchmark::DoNotOptimize(dst.front().data());
+  }
+  set_flops(state, wall,
+            2.0 * static_cast<double>(threads * a_rows * cols) * static_cast<double>(depth));
+  state.counters["B_KiB"] = static_cast<double>(cols * depth) * 4.0 / 1024.0;
+}
+
 using Config = std::array<std::int64_t, 4>;  // B, L, E, H
 
 const std::vector<Config> kDefaultConfigs = {{1, 128, 768, 12}, {8, 128, 512, 8},
@@ -987,6 +1043,10 @@ void projection_shapes(benchmark::internal::Benchmark* b) {
 }
 BENCHMARK(projection)->Name("projection")->Apply(projection_shapes);
 BENCHMARK(projection_prepacked)->Name("projection_prepacked")->Apply(projection_shapes);
+BENCHMARK(micro_tile)
+    ->Name("micro_tile")
+    ->ArgNames({"rows", "B_cols"})
+    ->ArgsProduct({{6, 12}, {64, 1024, 8192}});
 BENCHMARK(gemm)->Name("gemm")->ArgName("N")->Arg(512)->Arg(1024)->Unit(benchmark::kMillisecond);
 
 // Google Benchmark's main, with the ceilings measured before the first benchmark and written

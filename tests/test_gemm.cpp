@@ -170,46 +170,59 @@ TEST_CASE("slabs of rows sharing a packed rhs equal one tile_product bit for bit
 
 #ifdef MHA_PACKED_GEMM_X86
 TEST_CASE("the AVX-512 and AVX2 micro-kernels give every element the same arithmetic", "[gemm]") {
-  // packed_gemm.hpp chooses the kernel by the CPU: a product must not change with it. Random
-  // (not grid) values, so that a different order of summation shows in the last bits.
+  // packed_gemm.hpp chooses the kernel by the CPU and the tile by the rows left: a product must
+  // not change with either. Random (not grid) values, so that a different order of summation
+  // shows in the last bits.
   if (!mha::detail::cpu_has_avx512f() || !mha::detail::cpu_has_avx2_fma()) {
     WARN("this CPU lacks AVX-512 or AVX2: nothing to compare");
     return;
   }
   constexpr Index kMr = mha::detail::PackedGemmShape::kMr, kNr = mha::detail::PackedGemmShape::kNr;
+  constexpr Index kRows = 2 * kMr;  // two panels of A: the 12 x 32 tile's
   for (const Index depth : {1, 7, 64, 300}) {
     for (const bool first : {true, false}) {
       // A as a row-major block (rows depth + 13 floats apart, k_step 1) and packed; B as a
       // row-major block of 2·kNr columns (row stride 2·kNr + 5) and as two packed panels.
       const Index lda = depth + 13, ldb = 2 * kNr + 5;
       const auto seed = static_cast<std::uint64_t>(3 * depth);
-      const auto a = mha_test::random_tensor<float>({kMr, lda}, seed);
+      const auto a = mha_test::random_tensor<float>({kRows, lda}, seed);
       const auto b = mha_test::random_tensor<float>({depth, ldb}, seed + 1);
-      const auto old = mha_test::random_tensor<float>({kMr, 2 * kNr}, seed + 2);
+      const auto old = mha_test::random_tensor<float>({kRows, 2 * kNr}, seed + 2);
       const float alpha = first ? 1.0F : 0.7F;
-      std::vector<float> packed_a(static_cast<std::size_t>(kMr * depth));
+      std::vector<float> packed_a(static_cast<std::size_t>(kRows * depth));
       std::vector<float> packed_b(static_cast<std::size_t>(2 * kNr * depth));
-      mha::detail::pack_lhs(mha::detail::PackedOperand{a.data(), lda, 1}, 0, kMr, 0, depth,
+      mha::detail::pack_lhs(mha::detail::PackedOperand{a.data(), lda, 1}, 0, kRows, 0, depth,
                             packed_a.data());
       mha::detail::pack_rhs(mha::detail::PackedOperand{b.data(), ldb, 1}, 0, depth, 0, 2 * kNr,
                             packed_b.data());
       Tensor<float> narrow = old, two_panels = old, two_packed = old, one_panel = old;
-      for (Index p = 0; p < 2; ++p) {
-        mha::detail::micro_kernel_avx2(depth, a.data(), lda, 1, b.data() + p * kNr, ldb, alpha,
-                                       first, narrow.data() + p * kNr, 2 * kNr);
-        mha::detail::micro_kernel_avx512<1>(depth, packed_a.data(), 1, kMr,
-                                            packed_b.data() + p * kNr * depth, 0, kNr, alpha, first,
-                                            one_panel.data() + p * kNr, 2 * kNr);
+      Tensor<float> tall = old, tall_packed = old;
+      for (Index q = 0; q < 2; ++q) {
+        const Index row = q * kMr;
+        for (Index p = 0; p < 2; ++p) {
+          mha::detail::micro_kernel_avx2(depth, a.data() + row * lda, lda, 1, b.data() + p * kNr,
+                                         ldb, alpha, first, &narrow(row, p * kNr), 2 * kNr);
+          mha::detail::micro_kernel_avx512<1>(depth, packed_a.data() + row * depth, 1, kMr,
+                                              packed_b.data() + p * kNr * depth, 0, kNr, alpha,
+                                              first, &one_panel(row, p * kNr), 2 * kNr);
+        }
+        mha::detail::micro_kernel_avx512<2>(depth, a.data() + row * lda, lda, 1, b.data(), kNr, ldb,
+                                            alpha, first, &two_panels(row, 0), 2 * kNr);
+        mha::detail::micro_kernel_avx512<2>(depth, packed_a.data() + row * depth, 1, kMr,
+                                            packed_b.data(), kNr * depth, kNr, alpha, first,
+                                            &two_packed(row, 0), 2 * kNr);
       }
-      mha::detail::micro_kernel_avx512<2>(depth, a.data(), lda, 1, b.data(), kNr, ldb, alpha, first,
-                                          two_panels.data(), 2 * kNr);
-      mha::detail::micro_kernel_avx512<2>(depth, packed_a.data(), 1, kMr, packed_b.data(),
-                                          kNr * depth, kNr, alpha, first, two_packed.data(),
-                                          2 * kNr);
+      mha::detail::micro_tile_avx512<2, 2>(depth, a.data(), lda, 1, kMr * lda, b.data(), kNr, ldb,
+                                           alpha, first, tall.data(), 2 * kNr);
+      mha::detail::micro_tile_avx512<2, 2>(depth, packed_a.data(), 1, kMr, kMr * depth,
+                                           packed_b.data(), kNr * depth, kNr, alpha, first,
+                                           tall_packed.data(), 2 * kNr);
       INFO("depth " << depth << (first ? " first" : " accumulated"));
       CHECK(two_panels.flat() == narrow.flat());
       CHECK(two_packed.flat() == narrow.flat());
       CHECK(one_panel.flat() == narrow.flat());
+      CHECK(tall.flat() == narrow.flat());
+      CHECK(tall_packed.flat() == narrow.flat());
     }
   }
 }

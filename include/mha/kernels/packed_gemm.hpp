@@ -306,22 +306,33 @@ inline bool cpu_has_avx512f() {
   return has;
 }
 
-// micro_kernel_avx2's tile with AVX-512 for one panel of B (Panels = 1: kMr x kNr) or two side by
-// side (Panels = 2: kMr x 2·kNr, the second b_panel_step floats after the first: the next packed
-// panel, or the next 16 columns of a row-major block). One 16-float register per row and panel:
-// with two panels, twelve chains of FMAs and six broadcasts of A for twelve FMAs, where one panel
-// has six chains (three quarters of the FMA's latency covered) and twelve rows of A over one
-// panel take twelve broadcasts, whose loads then bound it: in L1, one thread, 93 % of the peak
-// for 6 x 32 against 78 % for 12 x 16 (Zen 5, 2026-12-02). Each element gets the same arithmetic
-// as micro_kernel_avx2 gives it (a chain of FMAs in k order, then one FMA with alpha and the old
-// value), so results do not depend on which kernel ran. Not inlined: inlined into a caller,
-// GCC 12 scheduled P·V's tiles at two thirds of the speed.
-template <int Panels>
-__attribute__((target("avx512f"), noinline)) inline void micro_kernel_avx512(
-    Index depth, const float* a, Index a_row_step, Index a_k_step, const float* b,
-    Index b_panel_step, Index b_k_step, float alpha, bool first, float* tile, Index ld) {
+// micro_kernel_avx2's tile with AVX-512, for one or two panels of kMr rows of A (RowPanels, the
+// second a_panel_step floats after the first: the next packed panel, or kMr rows further down a
+// row-major block) by one panel of B (Panels = 1: kNr columns) or two side by side (Panels = 2,
+// the second b_panel_step floats after the first: the next packed panel, or the next 16 columns
+// of a row-major block). One 16-float register per row and panel of B, and one broadcast of A
+// per row and step for all of B's panels.
+//
+// Why these shapes: one panel of B has six chains of FMAs (three quarters of the FMA's latency
+// covered), and twelve rows over one panel take twelve broadcasts for twelve FMAs, whose loads
+// then bound it: in L1, one thread, 93 % of the peak for 6 x 32 against 78 % for 12 x 16 (Zen 5,
+// 2026-12-02). 12 x 32 (24 chains, ONNX Runtime's MLAS kernel's shape) reads half of 6 x 32's
+// bytes of B per FMA: where B streams from beyond L2, as the first row panel of a chunk takes
+// it, 6 x 32 ran at 0.49 of the one-thread peak and 12 x 32 at 0.81 (Emerald Rapids,
+// bench/RESULTS.md 2026-12-05); in L1 and L2 both ran at 0.95-0.98.
+//
+// Each element gets the same arithmetic as micro_kernel_avx2 gives it (a chain of FMAs in k
+// order, then one FMA with alpha and the old value), so results do not depend on which kernel
+// ran. Not inlined: inlined into a caller, GCC 12 scheduled P·V's tiles at two thirds of the
+// speed.
+template <int RowPanels, int Panels>
+__attribute__((target("avx512f"), noinline)) inline void micro_tile_avx512(
+    Index depth, const float* a, Index a_row_step, Index a_k_step, Index a_panel_step,
+    const float* b, Index b_panel_step, Index b_k_step, float alpha, bool first, float* tile,
+    Index ld) {
+  static_assert(RowPanels == 1 || RowPanels == 2, "one or two panels of A");
   static_assert(Panels == 1 || Panels == 2, "one or two panels of B");
-  constexpr Index kRows = PackedGemmShape::kMr;
+  constexpr Index kRows = RowPanels * PackedGemmShape::kMr;
   if (!first) {
     MHA_UNROLL
     for (Index r = 0; r < kRows; ++r) {
@@ -337,19 +348,28 @@ __attribute__((target("avx512f"), noinline)) inline void micro_kernel_avx512(
     MHA_UNROLL
     for (__m512& sum : row_sums) sum = _mm512_setzero_ps();
   }
-  Index offsets[kRows];
+  // Each panel of A from its own pointer, with the same six row offsets: twelve offsets of their
+  // own took more general registers than x86-64 has, and GCC 12 reloaded three of them from the
+  // stack at every step.
+  Index offsets[PackedGemmShape::kMr];
   MHA_UNROLL
-  for (Index r = 0; r < kRows; ++r) offsets[r] = r * a_row_step;
-  for (Index k = 0; k < depth; ++k, a += a_k_step, b += b_k_step) {
+  for (Index r = 0; r < PackedGemmShape::kMr; ++r) offsets[r] = r * a_row_step;
+  const float* panels[RowPanels];
+  MHA_UNROLL
+  for (Index q = 0; q < RowPanels; ++q) panels[q] = a + q * a_panel_step;
+  for (Index k = 0; k < depth; ++k, b += b_k_step) {
     __m512 row[Panels];
     MHA_UNROLL
     for (Index p = 0; p < Panels; ++p) row[p] = _mm512_loadu_ps(b + p * b_panel_step);
     MHA_UNROLL
     for (Index r = 0; r < kRows; ++r) {
-      const __m512 x = _mm512_set1_ps(a[offsets[r]]);
+      const __m512 x =
+          _mm512_set1_ps(panels[r / PackedGemmShape::kMr][offsets[r % PackedGemmShape::kMr]]);
       MHA_UNROLL
       for (Index p = 0; p < Panels; ++p) sums[r][p] = _mm512_fmadd_ps(x, row[p], sums[r][p]);
     }
+    MHA_UNROLL
+    for (const float*& panel : panels) panel += a_k_step;
   }
   const __m512 scale = _mm512_set1_ps(alpha);
   MHA_UNROLL
@@ -361,6 +381,15 @@ __attribute__((target("avx512f"), noinline)) inline void micro_kernel_avx512(
       _mm512_storeu_ps(out, _mm512_fmadd_ps(scale, sums[r][p], old));
     }
   }
+}
+
+// One panel of kMr rows of A by one or two panels of B (micro_tile_avx512).
+template <int Panels>
+inline void micro_kernel_avx512(Index depth, const float* a, Index a_row_step, Index a_k_step,
+                                const float* b, Index b_panel_step, Index b_k_step, float alpha,
+                                bool first, float* tile, Index ld) {
+  micro_tile_avx512<1, Panels>(depth, a, a_row_step, a_k_step, 0, b, b_panel_step, b_k_step, alpha,
+                               first, tile, ld);
 }
 
 // One tile of kMr x kNr (see micro_kernel_avx2) with the widest kernel the CPU runs.
@@ -419,49 +448,76 @@ inline void multiply_panels(Index rows, Index cols, Index depth, const LeftOpera
   const Index chunk =
       std::max(2 * S::kNr, kChunkFloats / std::max<Index>(depth, 1) / (2 * S::kNr) * (2 * S::kNr));
   // With AVX-512, two panels of B a call (micro_kernel_avx512<2>) wherever more than one
-  // panel's columns are left.
-  const Index step = (cpu_has_avx512f() ? 2 : 1) * S::kNr;
+  // panel's columns are left, and two panels of A where twelve whole rows are (micro_tile_avx512).
+  const bool avx512 = cpu_has_avx512f();
+  const Index step = (avx512 ? 2 : 1) * S::kNr;
+  // Row panel i's first element and steps (see LeftOperand), an unpacked A's last rows, fewer
+  // than kMr, packed first, zero-padded.
+  struct Panel {
+    const float* data;
+    Index row_step, k_step;
+  };
+  const auto panel_at = [&](Index i) {
+    const Index height = std::min(S::kMr, rows - i);
+    if (a.packed) return Panel{a.data + i * depth, 1, S::kMr};
+    if (height == S::kMr) return Panel{a.data + i * a.row_stride, a.row_stride, a.k_step};
+    if (static_cast<Index>(last_rows.size()) < S::kMr * depth) {
+      last_rows.resize(static_cast<std::size_t>(S::kMr * depth));
+    }
+    pack_lhs(PackedOperand{a.data + i * a.row_stride, a.row_stride, a.k_step}, 0, height, 0, depth,
+             last_rows.data());
+    return Panel{last_rows.data(), 1, S::kMr};
+  };
+  // Rows [i, i + kMr) by columns [j, j + width), width <= step.
+  const auto six_rows = [&](Index i, const Panel& panel, Index j, Index width) {
+    const Index height = std::min(S::kMr, rows - i);
+    const float* b_panel = b + (j / S::kNr) * b_stride;
+    const bool two = width > S::kNr;
+    float* tile = dst + i * ld + j;
+    const bool whole = height == S::kMr && width % S::kNr == 0;
+    // A partial tile is computed whole into `out` (one panel's in `edge`, two panels' in
+    // wide_edge) and its part copied.
+    float wide_edge[S::kMr * 2 * S::kNr];
+    float* out = whole ? tile : two ? wide_edge : edge;
+    const Index out_ld = whole ? ld : two ? 2 * S::kNr : S::kNr;
+    for (Index r = 0; r < height && !whole && !first; ++r) {
+      std::copy(tile + r * ld, tile + r * ld + width, out + r * out_ld);
+    }
+    if (two) {
+      micro_kernel_avx512<2>(depth, panel.data, panel.row_step, panel.k_step, b_panel, b_stride,
+                             S::kNr, alpha, first, out, out_ld);
+    } else {
+      micro_kernel(depth, panel.data, panel.row_step, panel.k_step, b_panel, S::kNr, alpha, first,
+                   out, out_ld);
+    }
+    for (Index r = 0; r < height && !whole; ++r) {
+      std::copy(out + r * out_ld, out + r * out_ld + width, tile + r * ld);
+    }
+  };
   for (Index j0 = 0; j0 < cols; j0 += chunk) {
     const Index chunk_end = std::min(cols, j0 + chunk);
-    for (Index i = 0; i < rows; i += S::kMr) {
-      const Index height = std::min(S::kMr, rows - i);
-      const float* a_panel = a.packed ? a.data + i * depth : a.data + i * a.row_stride;
-      Index row_step = a.packed ? 1 : a.row_stride, k_step = a.packed ? S::kMr : a.k_step;
-      if (!a.packed && height < S::kMr) {
-        if (static_cast<Index>(last_rows.size()) < S::kMr * depth) {
-          last_rows.resize(static_cast<std::size_t>(S::kMr * depth));
+    for (Index i = 0; i < rows;) {
+      const Panel panel = panel_at(i);
+      if (avx512 && i + 2 * S::kMr <= rows) {
+        const Panel lower = panel_at(i + S::kMr);
+        for (Index j = j0; j < chunk_end; j += step) {
+          const Index width = std::min(step, chunk_end - j);
+          if (width == 2 * S::kNr) {
+            micro_tile_avx512<2, 2>(depth, panel.data, panel.row_step, panel.k_step,
+                                    lower.data - panel.data, b + (j / S::kNr) * b_stride, b_stride,
+                                    S::kNr, alpha, first, dst + i * ld + j, ld);
+          } else {
+            six_rows(i, panel, j, width);
+            six_rows(i + S::kMr, lower, j, width);
+          }
         }
-        pack_lhs(PackedOperand{a_panel, a.row_stride, a.k_step}, 0, height, 0, depth,
-                 last_rows.data());
-        a_panel = last_rows.data();
-        row_step = 1;
-        k_step = S::kMr;
+        i += 2 * S::kMr;
+        continue;
       }
       for (Index j = j0; j < chunk_end; j += step) {
-        const float* b_panel = b + (j / S::kNr) * b_stride;
-        const Index width = std::min(step, chunk_end - j);
-        const bool two = width > S::kNr;
-        float* tile = dst + i * ld + j;
-        const bool whole = height == S::kMr && width % S::kNr == 0;
-        // A partial tile is computed whole into `out` (one panel's in `edge`, two panels' in
-        // wide_edge) and its part copied.
-        float wide_edge[S::kMr * 2 * S::kNr];
-        float* out = whole ? tile : two ? wide_edge : edge;
-        const Index out_ld = whole ? ld : two ? 2 * S::kNr : S::kNr;
-        for (Index r = 0; r < height && !whole && !first; ++r) {
-          std::copy(tile + r * ld, tile + r * ld + width, out + r * out_ld);
-        }
-        if (two) {
-          micro_kernel_avx512<2>(depth, a_panel, row_step, k_step, b_panel, b_stride, S::kNr, alpha,
-                                 first, out, out_ld);
-        } else {
-          micro_kernel(depth, a_panel, row_step, k_step, b_panel, S::kNr, alpha, first, out,
-                       out_ld);
-        }
-        for (Index r = 0; r < height && !whole; ++r) {
-          std::copy(out + r * out_ld, out + r * out_ld + width, tile + r * ld);
-        }
+        six_rows(i, panel, j, std::min(step, chunk_end - j));
       }
+      i += S::kMr;
     }
   }
 #else
