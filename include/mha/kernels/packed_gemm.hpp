@@ -1,8 +1,8 @@
 // The library's own fp32 GEMM: operands packed into panels and multiplied by a register-blocked
-// micro-kernel, chosen at run time from what the CPU has: AVX-512 (kMr rows by two panels of kNr
-// columns a call) or AVX2 with FMA (kMr x kNr), whatever Eigen was compiled for (see
-// packed_gemm_available; elsewhere tile_product keeps Eigen's GEMM). Serial: the callers thread
-// it (gemm.hpp's slabs, the attention kernels' tasks).
+// micro-kernel, chosen at run time from what the CPU has: AVX-512 (one or two panels of kMr rows
+// by two panels of kNr columns a call) or AVX2 with FMA (kMr x kNr), whatever Eigen was compiled
+// for (see packed_gemm_available; elsewhere tile_product keeps Eigen's GEMM). Serial: the
+// callers thread it (gemm.hpp's slabs, the attention kernels' tasks).
 //
 // Shapes: dst [M, N] = (or +=) alpha · op(lhs) [M, K] · op(rhs) [K, N], all row-major blocks.
 // Loops (BLIS's order): for each kKc-deep slice of K, pack op(rhs)'s slice [kc, N] into panels of
@@ -318,8 +318,9 @@ inline bool cpu_has_avx512f() {
 // then bound it: in L1, one thread, 93 % of the peak for 6 x 32 against 78 % for 12 x 16 (Zen 5,
 // 2026-12-02). 12 x 32 (24 chains, ONNX Runtime's MLAS kernel's shape) reads half of 6 x 32's
 // bytes of B per FMA: where B streams from beyond L2, as the first row panel of a chunk takes
-// it, 6 x 32 ran at 0.49 of the one-thread peak and 12 x 32 at 0.81 (Emerald Rapids,
-// bench/RESULTS.md 2026-12-05); in L1 and L2 both ran at 0.95-0.98.
+// it, 6 x 32 ran at 0.46 of the FMA peak and 12 x 32 at 0.73-0.74, on one thread and on two;
+// from L2, both at 0.81-0.94 (mha_bench's micro_tile/, Emerald Rapids, bench/RESULTS.md
+// 2026-12-05).
 //
 // Each element gets the same arithmetic as micro_kernel_avx2 gives it (a chain of FMAs in k
 // order, then one FMA with alpha and the old value), so results do not depend on which kernel
