@@ -820,6 +820,57 @@ void micro_tile(benchmark::State& state) {
   state.counters["B_KiB"] = static_cast<double>(cols * depth) * 4.0 / 1024.0;
 }
 
+// The decoding kernel's scores alone (kernels/decode_products.hpp) for G = 16 rows of one
+// key/value head and a chunk of 240 keys of D = 128 (120 KiB, in L2): as the register blocks take
+// them (4 x 4 blocks, each block's sixteen sums across lanes) or with the rows as lanes
+// (scaled_dot_lanes). Every thread runs its own copy at once, 64 times a parallel region (one
+// call takes microseconds, about what starting the region does).
+void decode_scores(benchmark::State& state, bool lanes) {
+  const mha::Index rows = 16, keys = 240, depth = 128, repeats = 64;
+  if (!mha::detail::query_lanes_available()) {
+    state.SkipWithError("the decoding kernel's AVX-512 products do not run on this CPU");
+    return;
+  }
+  const auto threads = static_cast<mha::Index>(mha::detail::max_threads());
+  const auto q = random_tensor({rows, depth}, 1), k = random_tensor({keys, depth}, 2);
+  struct Copy {
+    std::vector<float> prepared, keys, scores;
+  };
+  std::vector<Copy> copies(static_cast<std::size_t>(threads));
+  for (Copy& copy : copies) {
+    copy.prepared.resize(static_cast<std::size_t>(rows * depth));
+    if (lanes) {
+      mha::detail::prepare_query_lanes(q.data(), depth, rows, depth, copy.prepared.data());
+    } else {
+      mha::detail::prepare_query_rows(q.data(), depth, rows, depth, copy.prepared.data());
+    }
+    copy.keys.assign(k.data(), k.data() + k.size());
+    copy.scores.resize(static_cast<std::size_t>(rows * keys));
+  }
+  const auto run = [&] {
+    MHA_OMP_PRAGMA(omp parallel for schedule(static))
+    for (mha::Index t = 0; t < threads; ++t) {
+      Copy& copy = copies[static_cast<std::size_t>(t)];
+      for (mha::Index repeat = 0; repeat < repeats; ++repeat) {
+        if (lanes) {
+          mha::detail::scaled_dot_lanes(copy.prepared.data(), rows, copy.keys.data(), depth, keys,
+                                        depth, 0.1F, copy.scores.data(), keys);
+        } else {
+          mha::detail::scaled_dot_rows(copy.prepared.data(), rows, copy.keys.data(), depth, keys,
+                                       depth, 0.1F, copy.scores.data(), keys);
+        }
+      }
+    }
+  };
+  run();
+  const WallClock wall;
+  for (auto _ : state) {
+    run();
+    benchmark::DoNotOptimize(copies.front().scores.data());
+  }
+  set_flops(state, wall, 2.0 * static_cast<double>(threads * repeats * rows * keys * depth));
+}
+
 using Config = std::array<std::int64_t, 4>;  // B, L, E, H
 
 const std::vector<Config> kDefaultConfigs = {{1, 128, 768, 12}, {8, 128, 512, 8},
@@ -1043,6 +1094,8 @@ void projection_shapes(benchmark::internal::Benchmark* b) {
 }
 BENCHMARK(projection)->Name("projection")->Apply(projection_shapes);
 BENCHMARK(projection_prepacked)->Name("projection_prepacked")->Apply(projection_shapes);
+BENCHMARK_CAPTURE(decode_scores, blocks, false)->Name("decode_scores/blocks");
+BENCHMARK_CAPTURE(decode_scores, lanes, true)->Name("decode_scores/lanes");
 BENCHMARK(micro_tile)
     ->Name("micro_tile")
     ->ArgNames({"rows", "B_cols"})

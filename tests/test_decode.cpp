@@ -2,10 +2,10 @@
 // parallel pass, against the flash kernel run one sequence at a time (the path decode took
 // before it, still taken for prompts) and against the reference kernel in double on the same
 // inputs: sequences of different lengths over several chunks, grouped-query attention on each of
-// its paths (AVX-512 register blocks of every row count, the packed micro-kernel, dot products;
-// the products of the first also alone against double), a few queries per sequence, windows,
-// ALiBi and softcap, keys and values stored in float, half or bfloat16; and the same results on
-// any number of threads.
+// its paths (AVX-512 register blocks of every row count, the rows as lanes, the packed
+// micro-kernel, dot products; the products of the first two also alone against double), a few
+// queries per sequence, windows, ALiBi and softcap, keys and values stored in float, half or
+// bfloat16; and the same results on any number of threads.
 #include <cmath>
 #include <string>
 #include <type_traits>
@@ -79,6 +79,10 @@ std::vector<DecodeCase> cases() {
        {1, 2, 3},
        true},
       {"GQA 5/1, D = 16, 1 and 2 queries (5 and 10 rows)", 5, 1, 16, {490, 7}, {1, 2}},
+      // 16 query heads on one key/value head (the rows as lanes): groups of 16, 32 and 48 rows,
+      // chunks that end in every tail of key blocks (16, 8, 4, 2, 1).
+      {"GQA 16/1 (lanes), D = 128, 1 to 3 queries", 16, 1, 128, {255, 31, 1, 497}, {1, 2, 1, 3}},
+      {"GQA 12/1 (lanes, 12 rows), D = 32, ALiBi", 12, 1, 32, {241, 19}, {1, 1}, false, true},
   };
 }
 
@@ -196,8 +200,9 @@ TEST_CASE("the decoding kernel equals the flash kernel one sequence at a time, a
     const auto options = options_for<float>(c, slopes);
     const DecodeShape shape{c.heads, c.kv_heads, c.head_dim, c.head_dim, 0, 0, 0};
     // Each case runs the path it was written for on this CPU: the register blocks for two or more
-    // rows per key/value head where D is a multiple of 16 (with AVX-512), else the micro-kernel
-    // from 8 rows (with AVX2 and FMA), else dot products.
+    // rows per key/value head where D is a multiple of 16 (with AVX-512; from 12 rows, the
+    // scores with the rows as lanes), else the micro-kernel from 8 rows (with AVX2 and FMA),
+    // else dot products.
     const Index group = c.heads / c.kv_heads;
     const bool whole_packets = c.head_dim % 16 == 0;
     for (const Index n : c.query_counts) {
@@ -205,7 +210,8 @@ TEST_CASE("the decoding kernel equals the flash kernel one sequence at a time, a
       using mha::detail::DecodePath;
       auto expected = DecodePath::dots;
       if (group * n > 1 && whole_packets && mha::detail::value_blocks_available(16, 16)) {
-        expected = DecodePath::blocks;
+        expected =
+            group * n >= mha::detail::kDecodeLanesMinRows ? DecodePath::lanes : DecodePath::blocks;
       } else if (group * n >= 8 && whole_packets && mha::detail::packed_gemm_available()) {
         expected = DecodePath::panels;
       }
@@ -312,12 +318,14 @@ TEST_CASE("the decoding kernel's products equal double for every block and tail"
   using mha::detail::prepare_query_rows;
   using mha::detail::scaled_dot_rows;
   for (const Index depth : {16, 48, 80, 128}) {
-    for (const Index rows : {1, 2, 3, 4, 5, 7, 9, 16}) {
-      for (const Index count : {1, 3, 4, 9, 24}) {
+    for (const Index rows : {1, 2, 3, 4, 5, 7, 9, 16, 17, 33}) {
+      for (const Index count : {1, 3, 4, 9, 24, 31}) {
         INFO("D = " << depth << ", " << rows << " rows, " << count << " keys");
         const Index stride = depth + 16, score_stride = count + 5;
         const auto q = quarters<float>(rows * stride, 1 + static_cast<std::uint64_t>(depth));
         const auto keys = quarters<float>(count * stride, 2 + static_cast<std::uint64_t>(rows));
+        // The rows as the register blocks take them and as lanes (where AVX-512 runs), each
+        // into its own scores.
         std::vector<float> prepared(static_cast<std::size_t>(rows * depth));
         prepare_query_rows(q.data(), stride, rows, depth, prepared.data());
         std::vector<float> scores(static_cast<std::size_t>(rows * score_stride), -7.0F);
@@ -325,24 +333,35 @@ TEST_CASE("the decoding kernel's products equal double for every block and tail"
         scaled_dot_rows(prepared.data(), rows, keys.data(), stride, count, depth, 0.5F,
                         scores.data(), score_stride,
                         mha::detail::RowsAhead{keys.data() + stride, count - 1});
-        bool exact = true, untouched = true;
-        for (Index r = 0; r < rows; ++r) {
-          for (Index j = 0; j < score_stride; ++j) {
-            const float actual = scores[static_cast<std::size_t>(r * score_stride + j)];
-            if (j >= count) {
-              untouched = untouched && actual == -7.0F;
-              continue;
-            }
-            double expected = 0;
-            for (Index d = 0; d < depth; ++d) {
-              expected += static_cast<double>(q[static_cast<std::size_t>(r * stride + d)]) *
-                          static_cast<double>(keys[static_cast<std::size_t>(j * stride + d)]);
-            }
-            exact = exact && static_cast<double>(actual) == 0.5 * expected;
-          }
+        std::vector<std::vector<float>> all_scores{scores};
+        if (mha::detail::query_lanes_available()) {
+          std::vector<float> lanes(static_cast<std::size_t>((rows + 15) / 16 * 16 * depth));
+          mha::detail::prepare_query_lanes(q.data(), stride, rows, depth, lanes.data());
+          std::fill(scores.begin(), scores.end(), -7.0F);
+          mha::detail::scaled_dot_lanes(lanes.data(), rows, keys.data(), stride, count, depth, 0.5F,
+                                        scores.data(), score_stride);
+          all_scores.push_back(scores);
         }
-        CHECK(exact);
-        CHECK(untouched);
+        for (const auto& computed : all_scores) {
+          bool exact = true, untouched = true;
+          for (Index r = 0; r < rows; ++r) {
+            for (Index j = 0; j < score_stride; ++j) {
+              const float actual = computed[static_cast<std::size_t>(r * score_stride + j)];
+              if (j >= count) {
+                untouched = untouched && actual == -7.0F;
+                continue;
+              }
+              double expected = 0;
+              for (Index d = 0; d < depth; ++d) {
+                expected += static_cast<double>(q[static_cast<std::size_t>(r * stride + d)]) *
+                            static_cast<double>(keys[static_cast<std::size_t>(j * stride + d)]);
+              }
+              exact = exact && static_cast<double>(actual) == 0.5 * expected;
+            }
+          }
+          CHECK(exact);
+          CHECK(untouched);
+        }
 
         // P · V twice, the second accumulating: weights are quarters too.
         const auto p = quarters<float>(rows * score_stride, 3 + static_cast<std::uint64_t>(count));
@@ -353,7 +372,7 @@ TEST_CASE("the decoding kernel's products equal double for every block and tail"
           accumulate_value_rows(p.data(), score_stride, rows, values.data(), stride, count, depth,
                                 first, acc.data(), acc_stride);
         }
-        exact = untouched = true;
+        bool exact = true, untouched = true;
         for (Index r = 0; r < rows; ++r) {
           for (Index c = 0; c < acc_stride; ++c) {
             const float actual = acc[static_cast<std::size_t>(r * acc_stride + c)];

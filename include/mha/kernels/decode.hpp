@@ -52,6 +52,10 @@ constexpr Index kDecodeBlocksSubBlock = 8;
 // Fewer rows per key/value head than this (a query head per key/value head, decoding one token)
 // take dot products: the micro-kernel's 6-row tile would be mostly padding.
 constexpr Index kDecodePanelsMinRows = 8;
+// From this many rows per key/value head (16 query heads sharing one, decoding a token), the
+// scores take rows as lanes (decode_path's lanes), which leave at most a quarter of their lanes
+// empty here.
+constexpr Index kDecodeLanesMinRows = 12;
 
 template <class Stored>
 struct DecodeSequence {
@@ -88,6 +92,10 @@ inline bool decode_kernel_applies(const CoreOptions<float>& options) {
 
 // How a task multiplies each key/value head's G·n rows by its cached keys and values
 // (decode_task):
+//   lanes   many rows (kDecodeLanesMinRows or more) with AVX-512, D and Dv multiples of 16: the
+//           scores with the rows as lanes (decode_products.hpp's scaled_dot_lanes), P·V by the
+//           register blocks over a whole chunk (a float cache) at once, keeping their sums in
+//           registers: these rows' arithmetic, not the cache's bytes, bounds the step;
 //   blocks  decode_products.hpp's AVX-512 register blocks: two or more rows, D and Dv multiples
 //           of 16;
 //   panels  the packed GEMM's micro-kernel, where it runs (AVX2 and FMA) and the blocks do not:
@@ -95,12 +103,13 @@ inline bool decode_kernel_applies(const CoreOptions<float>& options) {
 //   dots    dot products and weighted sums a row at a time, elsewhere: among others one row (a
 //           query head per key/value head, decoding one token), which reading the cache bounds.
 // The tests assert which path their cases take.
-enum class DecodePath { dots, panels, blocks };
+enum class DecodePath { dots, panels, blocks, lanes };
 
 inline DecodePath decode_path(const DecodeShape& shape, Index query_count) {
   const Index rows = shape.group() * query_count;
   if (rows > 1 && value_blocks_available(shape.head_dim, shape.value_dim)) {
-    return DecodePath::blocks;
+    return rows >= kDecodeLanesMinRows && query_lanes_available() ? DecodePath::lanes
+                                                                  : DecodePath::blocks;
   }
   if (packed_gemm_available() && rows >= kDecodePanelsMinRows &&
       shape.value_dim % PackedGemmShape::kNr == 0) {
@@ -131,8 +140,14 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
   const Index depth = shape.head_dim, value_dim = shape.value_dim;
   const Index partial_width = kPartialHeader + value_dim;
   const DecodePath path = decode_path(shape, n);
-  const bool blocks = path == DecodePath::blocks, panels = path == DecodePath::panels;
-  const Index sub_keys = blocks ? kDecodeBlocksSubBlock : kDecodeSubBlock;
+  const bool lanes = path == DecodePath::lanes, panels = path == DecodePath::panels;
+  const bool blocks = path == DecodePath::blocks || lanes;  // P·V by the register blocks
+  // Keys a sub-block in pass 1 and values in pass 3 (see kDecodeBlocksSubBlock). The lanes' P·V
+  // takes the chunk's values at once where the cache is float (a 16-bit one is widened a
+  // sub-block at a time into the key and value tiles): its sums then stay in registers over all
+  // of them.
+  const Index key_sub = blocks ? kDecodeBlocksSubBlock : kDecodeSubBlock;
+  const Index value_sub = lanes && std::is_same_v<Stored, float> ? kDecodeChunk : key_sub;
   const Index query_panels = packed_width(group_rows);
   const Index tile_rows = (group_rows + S::kMr - 1) / S::kMr * S::kMr;
   Matrix<float>& scores = mine.scores;    // [H·n + kMr, kDecodeChunk]
@@ -141,7 +156,12 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
     const float* q = seq.queries + (r % n) * shape.query_stride + (r / n) * depth;
     std::copy(q, q + depth, queries.data() + r * depth);
   }
-  if (blocks) {
+  if (lanes) {
+    for (Index g = 0; g < shape.kv_heads; ++g) {
+      prepare_query_lanes(queries.data() + g * group_rows * depth, depth, group_rows, depth,
+                          mine.packed_queries.data() + g * query_panels * depth);
+    }
+  } else if (blocks) {
     for (Index g = 0; g < shape.kv_heads; ++g) {
       prepare_query_rows(queries.data() + g * group_rows * depth, depth, group_rows, depth,
                          mine.packed_queries.data() + g * group_rows * depth);
@@ -190,26 +210,41 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
     }
   };
 
-  // The float cache's rows [c0 + j0, +sub_keys) of one key/value head (its columns
-  // from `column`), which the register blocks request while they multiply the rows before.
-  // (Widened 16-bit rows are in cache already.)
-  const auto rows_ahead = [&](const Stored* base, Index j0, Index column) {
+  // The float cache's rows [c0 + j0, + sub) of one key/value head (its columns from `column`),
+  // which the register blocks request while they multiply the rows before. (Widened 16-bit rows
+  // are in cache already.)
+  const auto rows_ahead = [&](const Stored* base, Index j0, Index sub, Index column) {
     if constexpr (std::is_same_v<Stored, float>) {
       if (group_rows < 4) return RowsAhead{};
-      return RowsAhead{base + (c0 + j0) * shape.kv_stride + column, std::min(sub_keys, cols - j0)};
+      return RowsAhead{base + (c0 + j0) * shape.kv_stride + column, std::min(sub, cols - j0)};
     } else {
-      arguments_unused(base, j0, column);
+      arguments_unused(base, j0, sub, column);
       return RowsAhead{};
     }
   };
 
+  // The lanes' P·V takes a chunk's values in one sub-block: its blocks request the rows
+  // kLanesValuesAhead after the ones they multiply, as they go.
+  const auto values_ahead = [&](const float* head_values, Index stride, Index count) {
+    constexpr Index kLanesValuesAhead = 8;
+    if (count <= kLanesValuesAhead) return RowsAhead{};
+    return RowsAhead{head_values + kLanesValuesAhead * stride, count - kLanesValuesAhead};
+  };
+
+  // The rows that pass 1 reads after the keys [c0, c0 + end) of key/value head g: the next
+  // sub-block's keys, or after the last, the values' first sub-block.
+  const auto next_rows = [&](Index end, Index g) {
+    return end < cols ? rows_ahead(seq.keys, end, key_sub, g * depth)
+                      : rows_ahead(seq.values, 0, value_sub, g * value_dim);
+  };
+
   // pass 1: scores, a sub-block of keys at a time for every key/value head.
-  for (Index j0 = 0; j0 < cols; j0 += sub_keys) {
-    const Index count = std::min(sub_keys, cols - j0);
+  for (Index j0 = 0; j0 < cols; j0 += key_sub) {
+    const Index count = std::min(key_sub, cols - j0);
     if (j0 + count < cols) {
-      prefetch(seq.keys, j0 + count, std::min(sub_keys, cols - j0 - count), shape.kv_heads * depth);
+      prefetch(seq.keys, j0 + count, std::min(key_sub, cols - j0 - count), shape.kv_heads * depth);
     } else {
-      prefetch(seq.values, 0, std::min(sub_keys, cols), shape.kv_heads * value_dim);
+      prefetch(seq.values, 0, std::min(value_sub, cols), shape.kv_heads * value_dim);
     }
     Index stride = 0;
     const float* keys =
@@ -230,12 +265,14 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
             scores(r0 + r, j0 + j) = transposed[j * query_panels + r];
           }
         }
+      } else if (lanes) {
+        scaled_dot_lanes(mine.packed_queries.data() + g * query_panels * depth, group_rows,
+                         head_keys, stride, count, depth, options.scale, &scores(r0, j0),
+                         scores.outerStride(), next_rows(j0 + count, g));
       } else {
         scaled_dot_rows((blocks ? mine.packed_queries.data() : queries.data()) + r0 * depth,
                         group_rows, head_keys, stride, count, depth, options.scale, &scores(r0, j0),
-                        scores.outerStride(),
-                        j0 + count < cols ? rows_ahead(seq.keys, j0 + count, g * depth)
-                                          : rows_ahead(seq.values, 0, g * value_dim));
+                        scores.outerStride(), next_rows(j0 + count, g));
       }
     }
   }
@@ -275,10 +312,10 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
   // pass 3: acc += p v, a sub-block of values at a time for every key/value head; the sums in
   // acc, [H·n, Dv] (the panels': [H_kv · tile_rows, Dv], each group's rows padded to whole
   // micro-tiles).
-  for (Index j0 = 0; j0 < cols; j0 += sub_keys) {
-    const Index count = std::min(sub_keys, cols - j0);
+  for (Index j0 = 0; j0 < cols; j0 += value_sub) {
+    const Index count = std::min(value_sub, cols - j0);
     if (j0 + count < cols) {
-      prefetch(seq.values, j0 + count, std::min(sub_keys, cols - j0 - count),
+      prefetch(seq.values, j0 + count, std::min(value_sub, cols - j0 - count),
                shape.kv_heads * value_dim);
     }
     Index stride = 0;
@@ -312,7 +349,9 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
         accumulate_value_rows(
             &scores(r0, j0), scores.outerStride(), group_rows, head_values, stride, count,
             value_dim, j0 == 0, &mine.acc(r0, 0), mine.acc.outerStride(),
-            j0 + count < cols ? rows_ahead(seq.values, j0 + count, g * value_dim) : RowsAhead{});
+            value_sub == kDecodeChunk ? values_ahead(head_values, stride, count)
+            : j0 + count < cols       ? rows_ahead(seq.values, j0 + count, value_sub, g * value_dim)
+                                      : RowsAhead{});
       }
     }
   }

@@ -18,6 +18,7 @@
 #pragma once
 
 #include <algorithm>
+#include <type_traits>
 
 #include "mha/kernels/packed_gemm.hpp"
 #include "mha/tensor.hpp"
@@ -251,6 +252,117 @@ __attribute__((target("avx512f"), always_inline)) inline void value_block(
   }
 }
 
+// The 16 x 16 floats of v transposed: lane j of v[i] becomes lane i of v[j]. Pairs of rows
+// interleaved, then pairs of pairs, then 128-bit chunks twice over: 64 shuffles.
+__attribute__((target("avx512f"), always_inline)) inline void transpose_sixteen(__m512 (&v)[16]) {
+  __m512 t[16];
+  MHA_UNROLL
+  for (Index i = 0; i < 8; ++i) {  // rows 2i and 2i + 1 interleaved, within each 128-bit chunk
+    t[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+  }
+  MHA_UNROLL
+  for (Index i = 0; i < 4; ++i) {  // chunk c of v[4i + k]: column 4c + k of rows 4i .. 4i + 3
+    v[4 * i + 0] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0x44);
+    v[4 * i + 1] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0xEE);
+    v[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    v[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  MHA_UNROLL
+  for (Index i = 0; i < 4; ++i) {  // the chunks of rows 0-7 and of rows 8-15 gathered by column
+    t[i] = _mm512_shuffle_f32x4(v[i], v[4 + i], 0x88);
+    t[4 + i] = _mm512_shuffle_f32x4(v[i], v[4 + i], 0xDD);
+    t[8 + i] = _mm512_shuffle_f32x4(v[8 + i], v[12 + i], 0x88);
+    t[12 + i] = _mm512_shuffle_f32x4(v[8 + i], v[12 + i], 0xDD);
+  }
+  MHA_UNROLL
+  for (Index i = 0; i < 4; ++i) {
+    v[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+    v[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xDD);
+    v[4 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0x88);
+    v[12 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0xDD);
+  }
+}
+
+// out[r · out_stride + j] = scale · q_r · key_j for r < rows (at most 16) and j < Keys (at most
+// 16): q as lanes ([depth, 16], see prepare_query_lanes), the keys' rows key_stride apart. Each
+// key's sixteen scores (one per row) are one register, a chain of FMAs along D on the key's
+// broadcast elements; the block's registers are transposed into rows once at the end. `ahead`:
+// the keys (key_stride apart) that the next block reads, requested before the products.
+template <Index Keys>
+__attribute__((target("avx512f"), always_inline)) inline void scaled_dot_lanes_block(
+    Index depth, const float* q, Index rows, const float* keys, Index key_stride, float scale,
+    float* out, Index out_stride, const RowsAhead& ahead) {
+  static_assert(Keys >= 1 && Keys <= 16, "a block's keys fill at most 16 registers");
+  __m512 sums[16];
+  MHA_UNROLL
+  for (__m512& sum : sums) sum = _mm512_setzero_ps();
+  // The next block's lines requested first, all at once: interleaved with the FMAs (a line of
+  // each key per 16 steps), they took GCC 12 to spill the sums.
+  for (Index j = 0; j < ahead.count; ++j) {
+    for (Index d = 0; d < depth; d += 16) {
+      _mm_prefetch(reinterpret_cast<const char*>(ahead.rows + j * key_stride + d), _MM_HINT_T0);
+    }
+  }
+  for (Index d = 0; d < depth; ++d) {
+    const __m512 x = load_once(q + 16 * d);
+    MHA_UNROLL
+    for (Index j = 0; j < Keys; ++j) {
+      sums[j] = _mm512_fmadd_ps(_mm512_set1_ps(keys[j * key_stride + d]), x, sums[j]);
+    }
+  }
+  const __m512 factor = _mm512_set1_ps(scale);
+  MHA_UNROLL
+  for (__m512& sum : sums) sum = _mm512_mul_ps(sum, factor);
+  transpose_sixteen(sums);
+  const auto columns = static_cast<__mmask16>((1U << Keys) - 1);
+  for (Index r = 0; r < rows; ++r) _mm512_mask_storeu_ps(out + r * out_stride, columns, sums[r]);
+}
+
+// The keys that the block after [.., end) of `count` keys reads: up to 16 of them, or after the
+// last block, up to 16 of `ahead`.
+inline RowsAhead next_keys(const float* keys, Index key_stride, Index count, Index end,
+                           const RowsAhead& ahead) {
+  if (end < count) return RowsAhead{keys + end * key_stride, std::min<Index>(16, count - end)};
+  return RowsAhead{ahead.rows, std::min<Index>(16, ahead.count)};
+}
+
+// scaled_dot_rows for up to 16 rows as lanes: blocks of 16 keys, then a tail of 8, 4, 2 and 1,
+// each block requesting the keys of the block after it, the last one `ahead`'s (at most 16).
+// Used where the rows are many (decode_path's lanes): against decode's 4 x 4 register blocks,
+// whose sixteen cross-lane sums per block take shuffles of the port of one of the FMAs on Intel
+// cores, 0.95 of the one-thread FMA peak with 16 rows and 240 keys of D = 128 in L2, against
+// 0.49 (Emerald Rapids, bench/RESULTS.md 2026-12-05). Not inlined, as the blocks above.
+__attribute__((target("avx512f"), noinline)) inline void scaled_dot_lanes_of(
+    const float* q, Index rows, const float* keys, Index key_stride, Index count, Index depth,
+    float scale, float* scores, Index score_stride, const RowsAhead& ahead) {
+  // (No lambdas here: a lambda does not inherit the function's target attribute.)
+  Index j = 0;
+  for (; j + 16 <= count; j += 16) {
+    scaled_dot_lanes_block<16>(depth, q, rows, keys + j * key_stride, key_stride, scale, scores + j,
+                               score_stride, next_keys(keys, key_stride, count, j + 16, ahead));
+  }
+  if (j + 8 <= count) {
+    scaled_dot_lanes_block<8>(depth, q, rows, keys + j * key_stride, key_stride, scale, scores + j,
+                              score_stride, next_keys(keys, key_stride, count, j + 8, ahead));
+    j += 8;
+  }
+  if (j + 4 <= count) {
+    scaled_dot_lanes_block<4>(depth, q, rows, keys + j * key_stride, key_stride, scale, scores + j,
+                              score_stride, next_keys(keys, key_stride, count, j + 4, ahead));
+    j += 4;
+  }
+  if (j + 2 <= count) {
+    scaled_dot_lanes_block<2>(depth, q, rows, keys + j * key_stride, key_stride, scale, scores + j,
+                              score_stride, next_keys(keys, key_stride, count, j + 2, ahead));
+    j += 2;
+  }
+  if (j < count) {
+    scaled_dot_lanes_block<1>(depth, q, rows, keys + j * key_stride, key_stride, scale, scores + j,
+                              score_stride, next_keys(keys, key_stride, count, j + 1, ahead));
+  }
+}
+
 // scaled_dot_rows for `Rows` rows: blocks of Keys keys along the count, each block's keys in the
 // next call's rows requested before it. Not inlined: inlined into the decoding task, GCC 12
 // kept the blocks' registers on the stack.
@@ -321,6 +433,47 @@ inline void prepare_query_rows(const float* src, Index src_stride, Index rows, I
       }
     }
   }
+}
+
+// Whether scaled_dot_lanes runs here (AVX-512).
+inline bool query_lanes_available() {
+#ifdef MHA_PACKED_GEMM_X86
+  return cpu_has_avx512f();
+#else
+  return false;
+#endif
+}
+
+// The queries of `rows` rows [rows, depth] src_stride apart as lanes, for scaled_dot_lanes: groups
+// of 16 rows, group i at out + 16 · depth · i as [depth, 16] (element d of its row r at 16 · d +
+// r), the lanes after the last row zero.
+inline void prepare_query_lanes(const float* src, Index src_stride, Index rows, Index depth,
+                                float* out) {
+  for (Index r0 = 0; r0 < rows; r0 += 16) {
+    float* lanes = out + r0 * depth;
+    std::fill(lanes, lanes + 16 * depth, 0.0F);
+    for (Index r = r0; r < std::min(rows, r0 + 16); ++r) {
+      for (Index d = 0; d < depth; ++d) lanes[16 * d + (r - r0)] = src[r * src_stride + d];
+    }
+  }
+}
+
+// scores[r · score_stride + j] = scale · q_r · key_j for r < rows, j < count: q as
+// prepare_query_lanes left it, the keys' rows key_stride apart; each score a chain of FMAs along
+// D. Only where query_lanes_available().
+inline void scaled_dot_lanes(const float* q, Index rows, const float* keys, Index key_stride,
+                             Index count, Index depth, float scale, float* scores,
+                             Index score_stride, const RowsAhead& ahead = {}) {
+#ifdef MHA_PACKED_GEMM_X86
+  // The first group of rows requests the keys ahead; the others find them in cache.
+  for (Index r0 = 0; r0 < rows; r0 += 16) {
+    scaled_dot_lanes_of(q + r0 * depth, std::min<Index>(16, rows - r0), keys, key_stride, count,
+                        depth, scale, scores + r0 * score_stride, score_stride,
+                        r0 == 0 ? ahead : RowsAhead{});
+  }
+#else
+  arguments_unused(q, rows, keys, key_stride, count, depth, scale, scores, score_stride, ahead);
+#endif
 }
 
 // scores[r · score_stride + j] = scale · q_r · key_j for r < rows, j < count: q as
