@@ -331,8 +331,9 @@ inline RowsAhead next_keys(const float* keys, Index key_stride, Index count, Ind
 // each block requesting the keys of the block after it, the last one `ahead`'s (at most 16).
 // Used where the rows are many (decode_path's lanes): against decode's 4 x 4 register blocks,
 // whose sixteen cross-lane sums per block take shuffles of the port of one of the FMAs on Intel
-// cores, 0.95 of the one-thread FMA peak with 16 rows and 240 keys of D = 128 in L2, against
-// 0.49 (Emerald Rapids, bench/RESULTS.md 2026-12-05). Not inlined, as the blocks above.
+// cores, 0.62-0.67 of the FMA peak with 16 rows and 240 keys of D = 128 in L2, against
+// 0.34-0.38 (mha_bench's decode_scores/, Emerald Rapids, bench/RESULTS.md 2026-12-05). Not
+// inlined, as the blocks above.
 __attribute__((target("avx512f"), noinline)) inline void scaled_dot_lanes_of(
     const float* q, Index rows, const float* keys, Index key_stride, Index count, Index depth,
     float scale, float* scores, Index score_stride, const RowsAhead& ahead) {
