@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <iterator>
 #include <set>
 #include <string>
@@ -820,13 +821,16 @@ void micro_tile(benchmark::State& state) {
   state.counters["B_KiB"] = static_cast<double>(cols * depth) * 4.0 / 1024.0;
 }
 
-// The decoding kernel's scores alone (kernels/decode_products.hpp) for G = 16 rows of one
-// key/value head and a chunk of 240 keys of D = 128 (120 KiB, in L2): as the register blocks take
-// them (4 x 4 blocks, each block's sixteen sums across lanes) or with the rows as lanes
-// (scaled_dot_lanes). Every thread runs its own copy at once, 64 times a parallel region (one
-// call takes microseconds, about what starting the region does).
+// The decoding kernel's scores alone (kernels/decode_products.hpp) for range(0) rows of one
+// key/value head (G = 16: 16) and a chunk of range(1) keys (240) of D = range(2) (128: 120 KiB,
+// in L2): as the register blocks take them (4 x 4 blocks, each block's sixteen sums across
+// lanes) or with the rows as lanes (scaled_dot_lanes). Every thread runs its own copy at once,
+// 64 times a parallel region (one call takes microseconds, about what starting the region does).
+// (The sizes are arguments: as constants, GCC 12 inlined them into the dot products' remainder
+// loop and warned of an overflow that cannot happen.)
 void decode_scores(benchmark::State& state, bool lanes) {
-  const mha::Index rows = 16, keys = 240, depth = 128, repeats = 64;
+  const mha::Index rows = state.range(0), keys = state.range(1), depth = state.range(2);
+  const mha::Index repeats = 64;
   if (!mha::detail::query_lanes_available()) {
     state.SkipWithError("the decoding kernel's AVX-512 products do not run on this CPU");
     return;
@@ -1094,8 +1098,14 @@ void projection_shapes(benchmark::internal::Benchmark* b) {
 }
 BENCHMARK(projection)->Name("projection")->Apply(projection_shapes);
 BENCHMARK(projection_prepacked)->Name("projection_prepacked")->Apply(projection_shapes);
-BENCHMARK_CAPTURE(decode_scores, blocks, false)->Name("decode_scores/blocks");
-BENCHMARK_CAPTURE(decode_scores, lanes, true)->Name("decode_scores/lanes");
+BENCHMARK_CAPTURE(decode_scores, blocks, false)
+    ->Name("decode_scores/blocks")
+    ->ArgNames({"rows", "keys", "D"})
+    ->Args({16, 240, 128});
+BENCHMARK_CAPTURE(decode_scores, lanes, true)
+    ->Name("decode_scores/lanes")
+    ->ArgNames({"rows", "keys", "D"})
+    ->Args({16, 240, 128});
 BENCHMARK(micro_tile)
     ->Name("micro_tile")
     ->ArgNames({"rows", "B_cols"})
@@ -1104,7 +1114,36 @@ BENCHMARK(gemm)->Name("gemm")->ArgName("N")->Arg(512)->Arg(1024)->Unit(benchmark
 
 // Google Benchmark's main, with the ceilings measured before the first benchmark and written
 // into the output's context (the ceiling benchmarks measure them again, and raise them).
+namespace {
+
+// The command line as a shell would take it back (arguments with characters a shell reads
+// quoted), and the environment variables that change what the benchmarks measure: recorded in
+// the output's context, so that each results file says what wrote it.
+std::string command_line(int argc, char** argv) {
+  std::string line;
+  for (int i = 0; i < argc; ++i) {
+    const std::string argument = argv[i];
+    const bool plain = argument.find_first_of(" '\"|()^$*?[]{}&;<>\\") == std::string::npos;
+    line += (i > 0 ? " " : "") + (plain ? argument : "'" + argument + "'");
+  }
+  return line;
+}
+
+std::string environment() {
+  std::string set;
+  for (const char* name : {"OMP_NUM_THREADS", "OMP_WAIT_POLICY", "OMP_PROC_BIND", "GOMP_SPINCOUNT",
+                           "OPENBLAS_CORETYPE", "OPENBLAS_NUM_THREADS", "GLIBC_TUNABLES"}) {
+    if (const char* value = std::getenv(name)) {
+      set += (set.empty() ? "" : " ") + std::string(name) + "=" + value;
+    }
+  }
+  return set;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
+  const std::string command = command_line(argc, argv);
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   const auto& ceilings = mha_bench::ceilings();
@@ -1112,6 +1151,8 @@ int main(int argc, char** argv) {
                               std::to_string(ceilings.fma_gflops) + " (" + ceilings.fma_isa + ")");
   benchmark::AddCustomContext("bf16_peak_GFLOPS", std::to_string(ceilings.bf16_gflops));
   benchmark::AddCustomContext("memory_read_GB_per_s", std::to_string(ceilings.read_gbs));
+  benchmark::AddCustomContext("command", command);
+  benchmark::AddCustomContext("environment", environment());
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;
