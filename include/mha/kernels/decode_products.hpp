@@ -14,11 +14,13 @@
 // and the 4 × 64 P·V blocks at 96 %, where scoresᵀ with broadcast keys (the packed GEMM's
 // micro-kernel's form) ran at 71-86 % (8 to 16 keys a tile) and 6-row P·V tiles at 86 %. Used
 // for two or more rows (decode_path); one row takes the dot products and weighted sums below,
-// which a decoding step with one query head per key/value head measured faster.
+// which a decoding step with one query head per key/value head measured faster. For many rows
+// (sixteen query heads of one key/value head) the scores take the rows as lanes instead
+// (scaled_dot_lanes): no sums across lanes, whose shuffles share a port with an FMA unit on
+// Intel cores.
 #pragma once
 
 #include <algorithm>
-#include <type_traits>
 
 #include "mha/kernels/packed_gemm.hpp"
 #include "mha/tensor.hpp"

@@ -438,13 +438,13 @@ inline void multiply_panels(Index rows, Index cols, Index depth, const LeftOpera
 #ifdef MHA_PACKED_GEMM_X86
   using S = PackedGemmShape;
   thread_local std::vector<float, Eigen::aligned_allocator<float>> last_rows;
-  // Row panels outside, column panels inside: A's panel (6 KiB at kKc) stays in L1 and B's
-  // panels stream past it from L2. BLIS's order (B's panel held in L1, A's panels streamed) ran
-  // at 70-81 % of the one-thread peak against 87-100 % for this one on a 72 x 256 block of A and
-  // 16 to 2048 columns (AVX2 Zen 3, 2026-12-02): the six broadcasts a step takes from a streamed
-  // panel wait more than B's two full-width loads do. B is taken a chunk of at most 256 KiB at a
-  // time, which every row panel passes over while it is in L2; the whole of a wider B would be
-  // read again from L3 or memory for each row panel.
+  // Row panels outside, column panels inside: A's panel, or pair of panels (6 or 12 KiB at kKc),
+  // stays in L1 and B's panels stream past it from L2. BLIS's order (B's panel held in L1, A's
+  // panels streamed) ran at 70-81 % of the one-thread peak against 87-100 % for this one on a 72 x
+  // 256 block of A and 16 to 2048 columns (AVX2 Zen 3, 2026-12-02): the six broadcasts a step takes
+  // from a streamed panel wait more than B's two full-width loads do. B is taken a chunk of at most
+  // 256 KiB at a time, which every row panel passes over while it is in L2; the whole of a wider B
+  // would be read again from L3 or memory for each row panel.
   constexpr Index kChunkFloats = Index{1} << 16;
   const Index chunk =
       std::max(2 * S::kNr, kChunkFloats / std::max<Index>(depth, 1) / (2 * S::kNr) * (2 * S::kNr));
