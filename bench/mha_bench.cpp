@@ -814,7 +814,7 @@ void micro_tile(benchmark::State& state) {
   const WallClock wall;
   for (auto _ : state) {
     run();
-    benchmark::DoNotOptimize(dst.front().data());
+    benchmark::DoNotOptimize(dst.data());
   }
   set_flops(state, wall,
             2.0 * static_cast<double>(threads * a_rows * cols) * static_cast<double>(depth));
@@ -870,7 +870,7 @@ void decode_scores(benchmark::State& state, bool lanes) {
   const WallClock wall;
   for (auto _ : state) {
     run();
-    benchmark::DoNotOptimize(copies.front().scores.data());
+    benchmark::DoNotOptimize(copies.data());
   }
   set_flops(state, wall, 2.0 * static_cast<double>(threads * repeats * rows * keys * depth));
 }

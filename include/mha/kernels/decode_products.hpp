@@ -315,7 +315,7 @@ __attribute__((target("avx512f"), always_inline)) inline void scaled_dot_lanes_b
   }
   const __m512 factor = _mm512_set1_ps(scale);
   MHA_UNROLL
-  for (__m512& sum : sums) sum = _mm512_mul_ps(sum, factor);
+  for (__m512& sum : sums) sum *= factor;
   transpose_sixteen(sums);
   const auto columns = static_cast<__mmask16>((1U << Keys) - 1);
   for (Index r = 0; r < rows; ++r) _mm512_mask_storeu_ps(out + r * out_stride, columns, sums[r]);
