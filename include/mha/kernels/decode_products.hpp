@@ -109,6 +109,15 @@ inline void accumulate_weighted_rows(float* acc, Index width, const float* weigh
   }
 }
 
+// The rows that the next call will read (the cache's, in the layout of the current ones), or
+// none: requested from memory while the current ones are multiplied, so that the lines of a
+// sub-block are on their way before its products wait for them. (Outside the x86 branch: the
+// decoding task passes them on every platform, and elsewhere they go unused.)
+struct RowsAhead {
+  const float* rows = nullptr;
+  Index count = 0;
+};
+
 #ifdef MHA_PACKED_GEMM_X86
 // A packet loaded into a register of its own. GCC 12 otherwise folds the load into every FMA
 // that reads it (a memory operand each: four loads where one was written), and the loads then
@@ -146,14 +155,6 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 reduce_sixteen(
   }
   return _mm512_shuffle_ps(pairs[0], pairs[1], 0x88) + _mm512_shuffle_ps(pairs[0], pairs[1], 0xDD);
 }
-
-// The rows that the next call will read (the cache's, in the layout of the current ones), or
-// none: requested from memory while the current ones are multiplied, so that the lines of a
-// sub-block are on their way before its products wait for them.
-struct RowsAhead {
-  const float* rows = nullptr;
-  Index count = 0;
-};
 
 // out[r · out_stride + j] = scale · q_r · key_j for r < Rows and j < valid (at most Keys): q as
 // packets of its Rows rows in turn ([depth / 16, Rows, 16], see prepare_query_rows), the keys'

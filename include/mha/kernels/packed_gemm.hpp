@@ -27,8 +27,10 @@
 #include <cstddef>
 #include <vector>
 
-// GCC's and clang's target attributes choose the instructions per function.
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// GCC's and clang's target attributes choose the instructions per function. MHA_NO_X86_KERNELS
+// leaves them out on x86-64 too, as on every other platform: tools/lint compiles the headers
+// that way, so that the branch other platforms take is compiled on every change.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(MHA_NO_X86_KERNELS)
 #include <immintrin.h>
 #define MHA_PACKED_GEMM_X86 1
 #endif
