@@ -174,6 +174,39 @@ TEST_CASE("slabs of rows sharing a packed rhs equal one tile_product bit for bit
   CHECK(projected.flat() == whole_product(x, Operand::as_stored, w, Operand::transposed).flat());
 }
 
+TEST_CASE("slabs of columns computed as their transpose equal one tile_product bit for bit",
+          "[gemm][threads]") {
+  // product_transposed of a few tokens (x Wᵀ, at most a quarter as many rows as the depth) cuts
+  // dst into slabs of columns and, on the packed GEMM, computes each as a slab of W xᵀ with xᵀ
+  // packed once (gemm.hpp's packed_column_slabs), then transposes it into dst: the same
+  // products, in the same order, as one tile_product of the whole. Token counts not a multiple of
+  // the 8 x 8 transposes, depths over two slices and not a multiple of them (W read in place) and
+  // of 1024 (rows 4 KiB apart: W packed, slabs of rows past one packed block of 72), columns
+  // cutting the last slab short; accumulated onto dst and not.
+  if (!mha::detail::packed_gemm_available()) return;
+  for (const Index M : {17, 45, 131}) {
+    for (const Index K : {600, 1024}) {
+      REQUIRE(mha::detail::few_tokens_for_depth(M, K));
+      const Index N = 700;
+      const auto x = mha_test::random_tensor<float>({M, K}, 5);
+      const auto w = mha_test::random_tensor<float>({N, K}, 6);
+      for (const Accumulate accumulate : {Accumulate::no, Accumulate::yes}) {
+        Tensor<float> whole({M, N}, 0.5F), projected({M, N}, 0.5F);
+        mha::detail::tile_product<float>(mha::detail::strided(whole.matrix()),
+                                         mha::detail::const_strided(x.matrix()), Operand::as_stored,
+                                         mha::detail::const_strided(w.matrix()),
+                                         Operand::transposed, accumulate);
+        std::vector<mha::detail::KernelScratch<float>> scratch;
+        mha::detail::product_transposed<float, float>(
+            mha::detail::strided(projected.matrix()), mha::detail::const_strided(x.matrix()),
+            Eigen::Map<const mha::Matrix<float>>(w.data(), N, K), accumulate, scratch);
+        INFO("M " << M << ", K " << K << (accumulate == Accumulate::yes ? ", accumulated" : ""));
+        CHECK(projected.flat() == whole.flat());
+      }
+    }
+  }
+}
+
 #ifdef MHA_PACKED_GEMM_X86
 TEST_CASE("the AVX-512 and AVX2 micro-kernels give every element the same arithmetic", "[gemm]") {
   // packed_gemm.hpp chooses the kernel by the CPU and the tile by the rows left: a product must

@@ -437,6 +437,14 @@ inline int thread_index() {
   return 0;
 #endif
 }
+// The threads of the parallel region this thread is in (1 outside one).
+inline int team_size() {
+#ifdef _OPENMP
+  return omp_get_num_threads();
+#else
+  return 1;
+#endif
+}
 
 // One thread's buffers for a kernel: the score tile (or, for the reference kernel, the whole
 // [L, S'] scores), and for the flash kernel the accumulator and the running max and sum. Kept in

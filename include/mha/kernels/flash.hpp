@@ -223,8 +223,14 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
     Vector<T>& row_sum = mine.row_sum;
     RowVector<T>& exps = mine.exps;
 
-    // Causal rows of later blocks see more keys: dynamic scheduling balances them.
-    MHA_OMP_PRAGMA(omp for schedule(dynamic))
+    // Causal rows of later blocks see more keys: dynamic scheduling balances them. Where the
+    // heads divide evenly between the threads, a thread takes a head's query blocks together and
+    // so packs its keys and values alone; taken one block at a time, every head was packed by
+    // every thread (at L = 512, D = 32, 5 % of the forward's time; bench/RESULTS.md, 2026-12-06,
+    // second session).
+    [[maybe_unused]] const int chunk =
+        (batch * heads) % team_size() == 0 ? static_cast<int>(query_blocks) : 1;
+    MHA_OMP_PRAGMA(omp for schedule(dynamic, chunk))
     for (Index task = 0; task < tasks; ++task) {
       const Index b = task / (heads * query_blocks);
       const Index h = (task / query_blocks) % heads;

@@ -99,6 +99,23 @@ inline bool few_rows_product(Index rows, Index cols) {
   return rows <= kSmallRows && cols > rows;
 }
 
+// op(rhs) [depth, cols] packed whole (multiply_packed_rhs's layout) by the threads of the
+// enclosing parallel region, in tasks of eight panels of one slice (an orphaned omp for, whose
+// barrier ends it: each thread's slabs then read all of it).
+inline void pack_rhs_together(const PackedOperand& rhs, Index depth, Index cols, float* packed) {
+  using S = PackedGemmShape;
+  constexpr Index kPanelsPerTask = 8;
+  const Index slices = (depth + S::kKc - 1) / S::kKc;
+  const Index groups = (cols + kPanelsPerTask * S::kNr - 1) / (kPanelsPerTask * S::kNr);
+  MHA_OMP_PRAGMA(omp for schedule(static))
+  for (Index task = 0; task < slices * groups; ++task) {
+    const Index k0 = (task / groups) * S::kKc, kc = std::min(S::kKc, depth - k0);
+    const Index j0 = (task % groups) * kPanelsPerTask * S::kNr;
+    pack_rhs(rhs, k0, kc, j0, std::min(kPanelsPerTask * S::kNr, cols - j0),
+             packed + k0 * packed_width(cols) + j0 * kc);
+  }
+}
+
 // threaded_product's slabs of rows on the packed GEMM (packed_gemm.hpp): op(rhs), which every slab
 // multiplies, packed once and shared (its panels split between the threads), rather than once
 // per slab as tile_product would; each slab then multiplies its rows by it, element for element
@@ -106,7 +123,6 @@ inline bool few_rows_product(Index rows, Index cols) {
 inline void packed_slabs(StridedMap<float> dst, const ConstStridedMap<float>& lhs, Operand lhs_op,
                          const ConstStridedMap<float>& rhs, Operand rhs_op, Accumulate accumulate,
                          Index width, Index slabs) {
-  using S = PackedGemmShape;
   const bool lhs_transposed = lhs_op == Operand::transposed;
   const bool rhs_transposed = rhs_op == Operand::transposed;
   const Index depth = lhs_transposed ? lhs.rows() : lhs.cols(), cols = dst.cols();
@@ -117,20 +133,10 @@ inline void packed_slabs(StridedMap<float> dst, const ConstStridedMap<float>& lh
   const auto size = static_cast<std::size_t>(depth * packed_width(cols));
   if (packed.size() < size) packed.resize(size);
   float* const packed_rhs = packed.data();
-  // Tasks of 8 panels of one slice each.
-  constexpr Index kPanelsPerTask = 8;
-  const Index slices = (depth + S::kKc - 1) / S::kKc;
-  const Index groups = (cols + kPanelsPerTask * S::kNr - 1) / (kPanelsPerTask * S::kNr);
   [[maybe_unused]] const double work =
       static_cast<double>(dst.rows()) * static_cast<double>(cols) * static_cast<double>(depth);
   MHA_OMP_PRAGMA(omp parallel if (max_threads() > 1 && work >= kMinParallelWork)) {
-    MHA_OMP_PRAGMA(omp for schedule(static))
-    for (Index task = 0; task < slices * groups; ++task) {
-      const Index k0 = (task / groups) * S::kKc, kc = std::min(S::kKc, depth - k0);
-      const Index j0 = (task % groups) * kPanelsPerTask * S::kNr;
-      pack_rhs(b, k0, kc, j0, std::min(kPanelsPerTask * S::kNr, cols - j0),
-               packed_rhs + k0 * packed_width(cols) + j0 * kc);
-    }
+    pack_rhs_together(b, depth, cols, packed_rhs);
     MHA_OMP_PRAGMA(omp for schedule(static))
     for (Index slab = 0; slab < slabs; ++slab) {
       const Index start = slab * width, count = std::min(width, dst.rows() - start);
@@ -140,6 +146,77 @@ inline void packed_slabs(StridedMap<float> dst, const ConstStridedMap<float>& lh
               : PackedOperand{lhs.data() + start * lhs.outerStride(), lhs.outerStride(), 1};
       multiply_packed_rhs(count, cols, depth, a, packed_rhs, 1.0F, accumulate == Accumulate::yes,
                           dst.data() + start * dst.outerStride(), dst.outerStride());
+    }
+  }
+}
+
+// Whether x [tokens, depth] · Wᵀ is computed by packed_column_slabs: where packing W, as each
+// slab of columns of tile_product does, costs a 1/tokens part of the product and the transposes
+// of the result only a 1/depth part. At L = 128 with E = 768 and 1024 it took 0.80-0.96 of the
+// forward's time; at L = 512, E = 1024 (tokens = depth / 2) 1.04 and with B = 8, L = 128, E = 512
+// (tokens = 2 depth) 1.06, each slab's result then outgrowing L2 (bench/RESULTS.md, 2026-12-06,
+// second session).
+inline bool few_tokens_for_depth(Index tokens, Index depth) {
+  return tokens > 0 && 4 * tokens <= depth;
+}
+
+// dst [M, N] = (or +=) x [M, K] · Wᵀ, W [N, K], for a few tokens (few_tokens_for_depth):
+// threaded_product's slabs of columns on the packed GEMM, each computed as its transpose, a slab
+// of dstᵀ = W · xᵀ. xᵀ, which every slab multiplies, is packed once and shared (its panels split
+// between the threads); W's rows are the micro-kernel's left operand, read in place where their
+// stride allows (weight_in_place), else packed once each by multiply_packed_rhs; and each
+// slab's [width, M] result is transposed into dst. Slab by slab as tile_product, x was packed
+// again for every slab and W transposed into panels: at L = 128, E = 768, a seventh of the
+// layer's time (bench/RESULTS.md, 2026-12-06, second session). Element for element the
+// arithmetic of tile_product's packed GEMM (x_lk w_nk = w_nk x_lk exactly, in the same k order,
+// the same kKc slices, the same last FMA), so that results do not change with the path.
+inline void packed_column_slabs(StridedMap<float> dst, const ConstStridedMap<float>& x,
+                                const ConstStridedMap<float>& weight, Accumulate accumulate,
+                                Index width, Index slabs) {
+  using S = PackedGemmShape;
+  const Index tokens = dst.rows(), depth = x.cols(), outputs = dst.cols();
+  const Index panel_tokens = packed_width(tokens);
+  thread_local std::vector<float, Eigen::aligned_allocator<float>> packed;
+  const auto size = static_cast<std::size_t>(depth * panel_tokens);
+  if (packed.size() < size) packed.resize(size);
+  float* const packed_x = packed.data();
+  const PackedOperand x_transposed{x.data(), 1, x.outerStride()};  // (k, l) at x[l, k]
+  // The micro-kernel reads twelve rows of W at a time, each step one float of each. Rows a
+  // multiple of 2 KiB apart fall in at most two of L1's sets (which repeat every 4 KiB), six or
+  // twelve lines to a set of eight ways, and thrash: there W is packed, a block of rows at a
+  // time (at E = 1024 read in place it took 1.16 times as long, at E = 768 packed 1.17 times).
+  const bool weight_in_place =
+      (weight.outerStride() * static_cast<Index>(sizeof(float))) % 2048 != 0;
+  [[maybe_unused]] const double work =
+      static_cast<double>(tokens) * static_cast<double>(outputs) * static_cast<double>(depth);
+  MHA_OMP_PRAGMA(omp parallel if (max_threads() > 1 && work >= kMinParallelWork)) {
+    pack_rhs_together(x_transposed, depth, tokens, packed_x);
+    // This thread's slab of dstᵀ, [width, M]: grown to the largest request and then kept.
+    thread_local std::vector<float, Eigen::aligned_allocator<float>> slab_result;
+    if (static_cast<Index>(slab_result.size()) < width * tokens) {
+      slab_result.resize(static_cast<std::size_t>(width * tokens));
+    }
+    float* const result = slab_result.data();
+    MHA_OMP_PRAGMA(omp for schedule(static))
+    for (Index slab = 0; slab < slabs; ++slab) {
+      const Index n0 = slab * width, count = std::min(width, outputs - n0);
+      if (accumulate == Accumulate::yes) {
+        transpose_into(dst.data() + n0, dst.outerStride(), tokens, count, result, tokens);
+      }
+      const float* rows = weight.data() + n0 * weight.outerStride();
+      if (weight_in_place) {
+        for (Index k0 = 0; k0 < depth; k0 += S::kKc) {
+          multiply_panels(count, tokens, std::min(S::kKc, depth - k0),
+                          LeftOperand{rows + k0, weight.outerStride(), false},
+                          packed_x + k0 * panel_tokens, std::min(S::kKc, depth - k0) * S::kNr, 1.0F,
+                          k0 == 0 && accumulate == Accumulate::no, result, tokens,
+                          packed_gemm_buffers().edge);
+        }
+      } else {
+        multiply_packed_rhs(count, tokens, depth, PackedOperand{rows, weight.outerStride(), 1},
+                            packed_x, 1.0F, accumulate == Accumulate::yes, result, tokens);
+      }
+      transpose_into(result, tokens, count, tokens, dst.data() + n0, dst.outerStride());
     }
   }
 }
@@ -177,6 +254,10 @@ void threaded_product(StridedMap<T> dst, ConstStridedMap<T> lhs, Operand lhs_op,
     if (by_rows && slabs > 1 && (lhs_transposed ? lhs.rows() : lhs.cols()) > 0 &&
         packed_gemm_available()) {
       return packed_slabs(dst, lhs, lhs_op, rhs, rhs_op, accumulate, width, slabs);
+    }
+    if (!by_rows && slabs > 1 && !lhs_transposed && rhs_transposed &&
+        few_tokens_for_depth(dst.rows(), lhs.cols()) && packed_gemm_available()) {
+      return packed_column_slabs(dst, lhs, rhs, accumulate, width, slabs);
     }
   }
   // With more than one thread available, always inside a parallel region, even for one slab:

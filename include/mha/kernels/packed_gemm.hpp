@@ -185,6 +185,30 @@ inline void pack_contiguous_columns(const float* columns, Index column_step, Ind
   }
 }
 
+// dst [cols, rows] (row stride dst_stride) = src [rows, cols]ᵀ (row stride src_stride): whole
+// 8 x 8 blocks transposed in registers, the edges element by element.
+inline void transpose_into(const float* src, Index src_stride, Index rows, Index cols, float* dst,
+                           Index dst_stride) {
+  Index r0 = 0;
+#ifdef MHA_PACKED_GEMM_X86
+  if (cpu_has_avx2_fma()) {
+    for (; r0 + 8 <= rows; r0 += 8) {
+      Index c = 0;
+      for (; c + 8 <= cols; c += 8) {
+        transpose_block_8x8(src + r0 * src_stride + c, src_stride, dst + c * dst_stride + r0,
+                            dst_stride);
+      }
+      for (; c < cols; ++c) {
+        for (Index r = r0; r < r0 + 8; ++r) dst[c * dst_stride + r] = src[r * src_stride + c];
+      }
+    }
+  }
+#endif
+  for (Index c = 0; c < cols; ++c) {
+    for (Index r = r0; r < rows; ++r) dst[c * dst_stride + r] = src[r * src_stride + c];
+  }
+}
+
 // Depth [k0, k0 + depth) and columns [j0, j0 + cols) of op(rhs) into panels of kNr columns,
 // each depth x kNr (k-major), zero-padded to whole panels.
 inline void pack_rhs(const PackedOperand& rhs, Index k0, Index depth, Index j0, Index cols,
