@@ -394,3 +394,49 @@ TEST_CASE("the decoding kernel's products equal double for every block and tail"
     }
   }
 }
+
+TEST_CASE("a step with one query per key/value head reads whole rows and gives the same bits",
+          "[decode]") {
+  // scaled_dots_by_rows and accumulate_by_rows, which read the cache's rows whole, head after
+  // head, against the products a head at a time (scaled_dots, accumulate_weighted_rows) on the
+  // same rows: the same operations in the same order, so equal bit for bit, with depths that end
+  // in partial packets and rows with columns beyond the heads'.
+  for (const Index depth : {12, 16, 40, 128}) {
+    for (const Index heads : {1, 3, 16}) {
+      for (const Index count : {1, 5, 24}) {
+        INFO("D = " << depth << ", " << heads << " heads, " << count << " keys");
+        const Index stride = heads * depth + 8, score_stride = count + 3;
+        const auto q = mha_test::random_tensor<float>({heads, depth}, 10 + depth);
+        const auto keys = mha_test::random_tensor<float>({count, stride}, 20 + heads);
+        const auto values = mha_test::random_tensor<float>({count, stride}, 30 + count);
+        std::vector<float> by_rows(static_cast<std::size_t>(heads * score_stride), -7.0F);
+        auto by_head = by_rows;
+        mha::detail::scaled_dots_by_rows(q.data(), heads, keys.data(), stride, count, depth, 0.3F,
+                                         by_rows.data(), score_stride);
+        for (Index g = 0; g < heads; ++g) {
+          mha::detail::scaled_dots(q.data() + g * depth, keys.data() + g * depth, stride, count,
+                                   depth, 0.3F, by_head.data() + g * score_stride);
+        }
+        CHECK(by_rows == by_head);
+
+        // P · V over the scores as weights, twice (the second call accumulating).
+        const Index acc_stride = depth + 4;
+        std::vector<float> acc_rows(static_cast<std::size_t>(heads * acc_stride), 0.0F);
+        for (Index g = 0; g < heads; ++g)
+          acc_rows[static_cast<std::size_t>(g * acc_stride + depth)] = -7.0F;
+        auto acc_heads = acc_rows;
+        for (int call = 0; call < 2; ++call) {
+          mha::detail::accumulate_by_rows(by_rows.data(), score_stride, heads, values.data(),
+                                          stride, count, depth, acc_rows.data(), acc_stride);
+          for (Index g = 0; g < heads; ++g) {
+            mha::detail::accumulate_weighted_rows(acc_heads.data() + g * acc_stride, depth,
+                                                  by_head.data() + g * score_stride,
+                                                  values.data() + g * depth, stride, count);
+          }
+        }
+        CHECK(acc_rows == acc_heads);
+        CHECK(acc_rows[static_cast<std::size_t>(depth)] == -7.0F);
+      }
+    }
+  }
+}

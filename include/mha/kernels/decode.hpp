@@ -101,7 +101,10 @@ inline bool decode_kernel_applies(const CoreOptions<float>& options) {
 //   panels  the packed GEMM's micro-kernel, where it runs (AVX2 and FMA) and the blocks do not:
 //           kDecodePanelsMinRows rows or more, value rows of whole panels;
 //   dots    dot products and weighted sums a row at a time, elsewhere: among others one row (a
-//           query head per key/value head, decoding one token), which reading the cache bounds.
+//           query head per key/value head, decoding one token), which reading the cache bounds;
+//           there the cache's rows are read whole, head after head (scaled_dots_by_rows), which
+//           took 0.70-0.88 of the time of a head's slices through a sub-block at a time (Zen 4,
+//           B = 1-32, H_kv = 16, bench/RESULTS.md 2026-12-06, third session).
 // The tests assert which path their cases take.
 enum class DecodePath { dots, panels, blocks, lanes };
 
@@ -142,6 +145,9 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
   const DecodePath path = decode_path(shape, n);
   const bool lanes = path == DecodePath::lanes, panels = path == DecodePath::panels;
   const bool blocks = path == DecodePath::blocks || lanes;  // P·V by the register blocks
+  // One row per key/value head: the cache's rows read whole, head after head
+  // (scaled_dots_by_rows).
+  const bool by_rows = path == DecodePath::dots && group_rows == 1;
   // Keys a sub-block in pass 1 and values in pass 3 (see kDecodeBlocksSubBlock). The lanes' P·V
   // takes the chunk's values at once where the cache is float (a 16-bit one is widened a
   // sub-block at a time into the key and value tiles): its sums then stay in registers over all
@@ -249,6 +255,11 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
     Index stride = 0;
     const float* keys =
         sub_block(seq.keys, j0, count, shape.kv_heads * depth, mine.key_tile, stride);
+    if (by_rows) {
+      scaled_dots_by_rows(queries.data(), shape.kv_heads, keys, stride, count, depth, options.scale,
+                          &scores(0, j0), scores.outerStride());
+      continue;
+    }
     for (Index g = 0; g < shape.kv_heads; ++g) {
       const float* head_keys = keys + g * depth;
       const Index r0 = g * group_rows;
@@ -321,6 +332,12 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
     Index stride = 0;
     const float* values =
         sub_block(seq.values, j0, count, shape.kv_heads * value_dim, mine.value_tile, stride);
+    if (by_rows) {
+      if (j0 == 0) mine.acc.topRows(rows).setZero();
+      accumulate_by_rows(&scores(0, j0), scores.outerStride(), shape.kv_heads, values, stride,
+                         count, value_dim, mine.acc.data(), mine.acc.outerStride());
+      continue;
+    }
     for (Index g = 0; g < shape.kv_heads; ++g) {
       const float* head_values = values + g * value_dim;
       const Index r0 = g * group_rows;

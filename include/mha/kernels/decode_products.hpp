@@ -109,6 +109,64 @@ inline void accumulate_weighted_rows(float* acc, Index width, const float* weigh
   }
 }
 
+// One query per key/value head (decoding one token without grouped heads), the cache read a whole
+// row at a time from its first byte to its last, every head's slice of it in turn:
+//   scores[g · score_stride + j] = scale · q_g · keys_j[g·D, (g + 1)·D)     (scaled_dots_by_rows)
+//   acc_g[c] += p[g · p_stride + j] · values_j[g·Dv + c]                     (accumulate_by_rows)
+// for g < heads, j < count, q [heads, D] contiguous, acc_g = acc + g · acc_stride, the cache's
+// rows [count, heads·D] `stride` apart. One head's slices alone are D floats a row apart, and
+// walking them head after head through a sub-block of rows leaves the hardware's prefetchers many
+// short streams at once; read this way the rows are one stream. Each score and each acc element
+// takes the same operations in the same order as scaled_dots' and accumulate_weighted_rows'.
+inline void scaled_dots_by_rows(const float* q, Index heads, const float* keys, Index stride,
+                                Index count, Index depth, float scale, float* scores,
+                                Index score_stride) {
+  using Eigen::internal::ploadu;
+  using Eigen::internal::pmadd;
+  using Packet = Eigen::internal::packet_traits<float>::type;
+  constexpr Index lanes = Eigen::internal::packet_traits<float>::size;
+  const Index vector_depth = depth / lanes * lanes;
+  for (Index j = 0; j < count; ++j) {
+    const float* row = keys + j * stride;
+    for (Index g = 0; g < heads; ++g) {
+      const float* k = row + g * depth;
+      const float* query = q + g * depth;
+      Packet s = Eigen::internal::pzero(Packet{});
+      for (Index d = 0; d < vector_depth; d += lanes) {
+        s = pmadd(ploadu<Packet>(query + d), ploadu<Packet>(k + d), s);
+      }
+      float dot = Eigen::internal::predux(s);
+      for (Index d = vector_depth; d < depth; ++d) dot += query[d] * k[d];
+      scores[g * score_stride + j] = scale * dot;
+    }
+  }
+}
+
+inline void accumulate_by_rows(const float* p, Index p_stride, Index heads, const float* values,
+                               Index stride, Index count, Index value_dim, float* acc,
+                               Index acc_stride) {
+  using Eigen::internal::ploadu;
+  using Eigen::internal::pmadd;
+  using Eigen::internal::pset1;
+  using Packet = Eigen::internal::packet_traits<float>::type;
+  constexpr Index lanes = Eigen::internal::packet_traits<float>::size;
+  const Index vector_width = value_dim / lanes * lanes;
+  for (Index j = 0; j < count; ++j) {
+    const float* row = values + j * stride;
+    for (Index g = 0; g < heads; ++g) {
+      const float weight = p[g * p_stride + j];
+      const Packet w = pset1<Packet>(weight);
+      const float* v = row + g * value_dim;
+      float* sums = acc + g * acc_stride;
+      for (Index c = 0; c < vector_width; c += lanes) {
+        Eigen::internal::pstoreu(sums + c,
+                                 pmadd(w, ploadu<Packet>(v + c), ploadu<Packet>(sums + c)));
+      }
+      for (Index c = vector_width; c < value_dim; ++c) sums[c] += weight * v[c];
+    }
+  }
+}
+
 // The rows that the next call will read (the cache's, in the layout of the current ones), or
 // none: requested from memory while the current ones are multiplied, so that the lines of a
 // sub-block are on their way before its products wait for them. (Outside the x86 branch: the
