@@ -1017,7 +1017,7 @@ BENCHMARK_CAPTURE(decode_attention, per_sequence, DecodeRun::per_sequence)
 BENCHMARK_CAPTURE(decode_attention, read_only, DecodeRun::read_only)
     ->Name("decode_attention/read_only")
     ->ArgNames({"B", "H_kv", "context"})
-    ->ArgsProduct({{8}, {16, 4, 1}, {16384}})
+    ->ArgsProduct({{1, 8, 32}, {16, 4, 1}, {2048, 16384}})
     ->Unit(benchmark::kMillisecond);
 // The kernel's arithmetic rate with its cache in the last-level cache (8 MiB at B = 8): what it
 // would read at if memory were free, to set beside its rate from memory.
