@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include <mha/kernels/bf16_gemm.hpp>
 #include <mha/kernels/decode.hpp>
 #include <mha/mha.hpp>
 
@@ -765,6 +766,45 @@ void projection_prepacked(benchmark::State& state) {
             2.0 * static_cast<double>(L) * static_cast<double>(E) * static_cast<double>(N));
 }
 
+// The same product in bf16 with fp32 sums (kernels/bf16_gemm.hpp's bf16_projection): W packed
+// once into bf16 panels before the timing, as projection_prepacked packs it, x rounded and packed
+// at every call. Against projection_prepacked: what `vdpbf16ps` gains on the layer's shapes.
+// of_bf16_peak: the fraction of the bf16 dot-product peak measured in this run;
+// error_of_largest: the largest error against the float operands' product in double, over its
+// largest element.
+void projection_bf16(benchmark::State& state) {
+  const mha::Index L = state.range(0), E = state.range(1), N = state.range(2);
+  if (!mha::detail::bf16_dot_available()) {
+    state.SkipWithError("this CPU lacks AVX512_BF16");
+    return;
+  }
+  const auto x = random_tensor({L, E}, 1), w = random_tensor({N, E}, 2);
+  mha::Tensor<float> dst({L, N});
+  mha::detail::Bf16PackedWeight packed;
+  mha::detail::pack_bf16_weight(w.data(), N, E, E, packed);
+  std::vector<std::uint32_t, Eigen::aligned_allocator<std::uint32_t>> packed_x;
+  const auto multiply = [&] {
+    mha::detail::bf16_projection(x.data(), L, E, packed, dst.data(), N, false, packed_x);
+  };
+  multiply();
+  // Its error against the product of the float operands in double, relative to the largest
+  // element of that product.
+  const mha::Matrix<double> exact =
+      x.matrix().cast<double>() * w.matrix().cast<double>().transpose();
+  const double error =
+      (dst.matrix().cast<double>() - exact).cwiseAbs().maxCoeff() / exact.cwiseAbs().maxCoeff();
+  const WallClock wall;
+  for (auto _ : state) {
+    multiply();
+    benchmark::DoNotOptimize(dst.data());
+  }
+  set_flops(state, wall,
+            2.0 * static_cast<double>(L) * static_cast<double>(E) * static_cast<double>(N));
+  state.counters["of_bf16_peak"] =
+      state.counters["GFLOPS"] / std::max(mha_bench::ceilings().bf16_gflops, 1e-9);
+  state.counters["error_of_largest"] = error;
+}
+
 // The AVX-512 micro-kernel's two tiles alone (kernels/packed_gemm.hpp's micro_tile_avx512): 6 x 32
 // (one panel of A) and 12 x 32 (two), rows = range(0), over 72 packed rows of A and B_cols =
 // range(1) packed columns at the depth of a slice (kKc = 256), as multiply_panels sweeps them:
@@ -819,6 +859,58 @@ void micro_tile(benchmark::State& state) {
   set_flops(state, wall,
             2.0 * static_cast<double>(threads * a_rows * cols) * static_cast<double>(depth));
   state.counters["B_KiB"] = static_cast<double>(cols * depth) * 4.0 / 1024.0;
+}
+
+// The bf16 micro-kernel alone (kernels/bf16_gemm.hpp's micro_tile_bf16, 6 x 32, `vdpbf16ps`),
+// swept as micro_tile sweeps the fp32 one: 72 packed rows of A against B_cols = range(0) packed
+// columns at a depth of 256 (128 pairs; B's bytes half the fp32 panels'), every thread its own
+// copy at once. of_bf16_peak: the fraction of the bf16 dot-product peak measured in this run.
+void micro_tile_bf16(benchmark::State& state) {
+  using Shape = mha::detail::Bf16GemmShape;
+  const mha::Index cols = state.range(0), depth = 256, a_rows = 72;
+  const mha::Index pairs = mha::detail::bf16_pairs(depth);
+  if (!mha::detail::bf16_dot_available()) {
+    state.SkipWithError("this CPU lacks AVX512_BF16");
+    return;
+  }
+  const auto threads = static_cast<mha::Index>(mha::detail::max_threads());
+  // Pairs of 0.5 and 0.25 (bf16 0x3F00 and 0x3E80): finite sums at any repetition count.
+  std::vector<std::uint32_t> a(static_cast<std::size_t>(a_rows * pairs), 0x3F003F00U);
+  std::vector<std::vector<std::uint32_t>> b;
+  std::vector<std::vector<float, Eigen::aligned_allocator<float>>> dst;
+  for (mha::Index t = 0; t < threads; ++t) {
+    b.emplace_back(static_cast<std::size_t>(cols * pairs), 0x3E803E80U);
+    dst.emplace_back(static_cast<std::size_t>(a_rows * cols), 0.0F);
+  }
+  const auto sweep = [&](mha::Index t) {
+#ifdef MHA_PACKED_GEMM_X86
+    const std::uint32_t* panels = b[static_cast<std::size_t>(t)].data();
+    float* out = dst[static_cast<std::size_t>(t)].data();
+    for (mha::Index i = 0; i < a_rows; i += Shape::kMr) {
+      for (mha::Index j = 0; j < cols; j += 2 * Shape::kNr) {
+        mha::detail::micro_tile_bf16<2>(pairs, a.data() + i * pairs, panels + j * pairs,
+                                        Shape::kNr * pairs, false, out + i * cols + j, cols);
+      }
+    }
+#else
+    static_cast<void>(t);
+#endif
+  };
+  const auto run = [&] {
+    MHA_OMP_PRAGMA(omp parallel for schedule(static))
+    for (mha::Index t = 0; t < threads; ++t) sweep(t);
+  };
+  run();
+  const WallClock wall;
+  for (auto _ : state) {
+    run();
+    benchmark::DoNotOptimize(dst.data());
+  }
+  set_flops(state, wall,
+            2.0 * static_cast<double>(threads * a_rows * cols) * static_cast<double>(depth));
+  state.counters["of_bf16_peak"] =
+      state.counters["GFLOPS"] / std::max(mha_bench::ceilings().bf16_gflops, 1e-9);
+  state.counters["B_KiB"] = static_cast<double>(cols * pairs) * 4.0 / 1024.0;
 }
 
 // The decoding kernel's scores alone (kernels/decode_products.hpp) for range(0) rows of one
@@ -1098,6 +1190,7 @@ void projection_shapes(benchmark::internal::Benchmark* b) {
 }
 BENCHMARK(projection)->Name("projection")->Apply(projection_shapes);
 BENCHMARK(projection_prepacked)->Name("projection_prepacked")->Apply(projection_shapes);
+BENCHMARK(projection_bf16)->Name("projection_bf16")->Apply(projection_shapes);
 BENCHMARK_CAPTURE(decode_scores, blocks, false)
     ->Name("decode_scores/blocks")
     ->ArgNames({"rows", "keys", "D"})
@@ -1110,6 +1203,13 @@ BENCHMARK(micro_tile)
     ->Name("micro_tile")
     ->ArgNames({"rows", "B_cols"})
     ->ArgsProduct({{6, 12}, {64, 1024, 8192}});
+BENCHMARK(micro_tile_bf16)
+    ->Name("micro_tile_bf16")
+    ->ArgName("B_cols")
+    ->Arg(64)
+    ->Arg(1024)
+    ->Arg(8192)
+    ->Arg(16384);
 BENCHMARK(gemm)->Name("gemm")->ArgName("N")->Arg(512)->Arg(1024)->Unit(benchmark::kMillisecond);
 
 // Google Benchmark's main, with the ceilings measured before the first benchmark and written

@@ -406,9 +406,12 @@ TEST_CASE("a step with one query per key/value head reads whole rows and gives t
       for (const Index count : {1, 5, 24}) {
         INFO("D = " << depth << ", " << heads << " heads, " << count << " keys");
         const Index stride = heads * depth + 8, score_stride = count + 3;
-        const auto q = mha_test::random_tensor<float>({heads, depth}, 10 + depth);
-        const auto keys = mha_test::random_tensor<float>({count, stride}, 20 + heads);
-        const auto values = mha_test::random_tensor<float>({count, stride}, 30 + count);
+        const auto q =
+            mha_test::random_tensor<float>({heads, depth}, static_cast<std::uint64_t>(10 + depth));
+        const auto keys =
+            mha_test::random_tensor<float>({count, stride}, static_cast<std::uint64_t>(20 + heads));
+        const auto values =
+            mha_test::random_tensor<float>({count, stride}, static_cast<std::uint64_t>(30 + count));
         std::vector<float> by_rows(static_cast<std::size_t>(heads * score_stride), -7.0F);
         auto by_head = by_rows;
         mha::detail::scaled_dots_by_rows(q.data(), heads, keys.data(), stride, count, depth, 0.3F,

@@ -20,6 +20,7 @@
 #include "mha/io/safetensors.hpp"
 #include "mha/io/safetensors_format.hpp"
 #include "mha/io/safetensors_format_impl.hpp"
+#include "mha/kernels/bf16_gemm.hpp"
 #include "mha/kernels/common.hpp"
 #include "mha/kernels/convert.hpp"
 #include "mha/kernels/decode.hpp"

@@ -1,0 +1,279 @@
+// bf16 products with fp32 sums (kernels/bf16_gemm.hpp): the rounding to bf16 against Eigen's
+// (to nearest, ties to even), the packed panels' layout with odd depths and partial panels, and
+// the `vdpbf16ps` micro-kernel, where the CPU has it, against double: exactly on grid values
+// (which bf16 holds and whose sums fp32 holds), and within the bound of a K-term fp32 sum on
+// random values rounded to bf16.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "helpers.hpp"
+#include "mha/kernels/bf16_gemm.hpp"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+using mha::Index;
+using mha::detail::Bf16GemmShape;
+
+namespace {
+
+std::uint16_t eigen_bf16_bits(float x) {
+  const Eigen::bfloat16 rounded(x);
+  std::uint16_t bits = 0;
+  std::memcpy(&bits, &rounded, sizeof bits);
+  return bits;
+}
+
+#ifdef MHA_PACKED_GEMM_X86
+// Values on a grid of 1/64 in [-2, 2]: at most 8 significant bits, so bf16 holds them exactly, a
+// product of two is a multiple of 2^-12 below 4, and a sum of up to 512 of them fits fp32's 24
+// bits: the micro-kernel must then equal double bit for bit.
+std::vector<float> grid_values(Index count, std::uint64_t seed) {
+  mha::Random random(seed);
+  std::vector<float> values(static_cast<std::size_t>(count));
+  for (float& x : values) x = static_cast<float>(std::round(random.uniform(-2, 2) * 64) / 64);
+  return values;
+}
+#endif
+
+std::vector<float> normal_values(Index count, std::uint64_t seed) {
+  mha::Random random(seed);
+  std::vector<float> values(static_cast<std::size_t>(count));
+  for (float& x : values) x = static_cast<float>(random.normal());
+  return values;
+}
+
+float rounded(float x) {
+  return mha::detail::from_bf16_bits(mha::detail::to_bf16_bits(x));
+}
+
+}  // namespace
+
+TEST_CASE("floats round to bf16 to nearest with ties to even, as Eigen's bfloat16", "[bf16_gemm]") {
+  // Ties: 1 + 2^-8 lies halfway between 1 and 1 + 2^-7 (to the even 1), 1 + 3 · 2^-8 between
+  // 1 + 2^-7 and 1 + 2^-6 (to the even 1 + 2^-6).
+  CHECK(rounded(1.0F + std::ldexp(1.0F, -8)) == 1.0F);
+  CHECK(rounded(1.0F + 3 * std::ldexp(1.0F, -8)) == 1.0F + std::ldexp(1.0F, -6));
+  CHECK(rounded(-(1.0F + 3 * std::ldexp(1.0F, -8))) == -(1.0F + std::ldexp(1.0F, -6)));
+  CHECK(std::isinf(rounded(std::numeric_limits<float>::max())));  // rounds past the largest bf16
+  CHECK(std::isinf(rounded(std::numeric_limits<float>::infinity())));
+  CHECK(std::isnan(rounded(std::numeric_limits<float>::quiet_NaN())));
+  // A signalling NaN's payload in the low 16 bits alone must not become an infinity.
+  std::uint32_t signalling = 0x7F800001U;
+  float snan = 0;
+  std::memcpy(&snan, &signalling, sizeof snan);
+  CHECK(std::isnan(rounded(snan)));
+  mha::Random random(3);
+  int differ = 0;
+  for (int i = 0; i < 20000; ++i) {
+    // Magnitudes from denormals to near the largest float.
+    const auto x = static_cast<float>(random.normal() * std::pow(2.0, random.uniform(-140, 120)));
+    differ += mha::detail::to_bf16_bits(x) != eigen_bf16_bits(x);
+  }
+  CHECK(differ == 0);
+}
+
+TEST_CASE("packed bf16 panels hold each depth pair of a column or row, padded with zeros",
+          "[bf16_gemm]") {
+  using mha::detail::PackedOperand;
+  for (const Index depth : {1, 2, 7, 16}) {
+    for (const Index width : {1, 6, 16, 21}) {
+      INFO("depth " << depth << ", width " << width);
+      const auto values = normal_values(depth * width, 5 + static_cast<std::uint64_t>(depth));
+      const Index pairs = mha::detail::bf16_pairs(depth);
+      // B [depth, width] row-major; A = its transpose [width, depth], read through the same
+      // storage with the steps swapped.
+      const PackedOperand b{values.data(), width, 1};
+      const PackedOperand a{values.data(), 1, width};
+      const Index b_panels = (width + Bf16GemmShape::kNr - 1) / Bf16GemmShape::kNr;
+      const Index a_panels = (width + Bf16GemmShape::kMr - 1) / Bf16GemmShape::kMr;
+      std::vector<std::uint32_t> packed_b(
+          static_cast<std::size_t>(b_panels * pairs * Bf16GemmShape::kNr), 0xDEADBEEFU);
+      std::vector<std::uint32_t> packed_a(
+          static_cast<std::size_t>(a_panels * pairs * Bf16GemmShape::kMr), 0xDEADBEEFU);
+      mha::detail::pack_bf16_rhs(b, depth, width, packed_b.data());
+      mha::detail::pack_bf16_lhs(a, width, depth, packed_a.data());
+      const auto expected = [&](Index k, Index j) -> std::uint16_t {
+        return k < depth && j < width
+                   ? mha::detail::to_bf16_bits(values[static_cast<std::size_t>(k * width + j)])
+                   : 0;
+      };
+      bool b_right = true, a_right = true;
+      for (Index p = 0; p < pairs; ++p) {
+        for (Index j = 0; j < b_panels * Bf16GemmShape::kNr; ++j) {
+          const std::uint32_t lane = packed_b[static_cast<std::size_t>(
+              (j / Bf16GemmShape::kNr) * pairs * Bf16GemmShape::kNr + p * Bf16GemmShape::kNr +
+              j % Bf16GemmShape::kNr)];
+          b_right = b_right && (lane & 0xFFFFU) == expected(2 * p, j) &&
+                    (lane >> 16) == expected(2 * p + 1, j);
+        }
+        for (Index i = 0; i < a_panels * Bf16GemmShape::kMr; ++i) {
+          const std::uint32_t lane = packed_a[static_cast<std::size_t>(
+              (i / Bf16GemmShape::kMr) * pairs * Bf16GemmShape::kMr + p * Bf16GemmShape::kMr +
+              i % Bf16GemmShape::kMr)];
+          a_right = a_right && (lane & 0xFFFFU) == expected(2 * p, i) &&
+                    (lane >> 16) == expected(2 * p + 1, i);
+        }
+      }
+      CHECK(b_right);
+      CHECK(a_right);
+    }
+  }
+}
+
+#ifdef MHA_PACKED_GEMM_X86
+TEST_CASE("the bf16 micro-kernel equals double on values bf16 holds, and its rounding bound",
+          "[bf16_gemm]") {
+  if (!mha::detail::bf16_dot_available()) {
+    WARN("this CPU lacks AVX512_BF16: the bf16 micro-kernel is not run");
+    return;
+  }
+  using mha::detail::PackedOperand;
+  constexpr Index kRows = Bf16GemmShape::kMr;
+  for (const bool grid : {true, false}) {
+    for (const Index depth : {1, 2, 7, 64, 257, 512}) {
+      for (const int panels : {1, 2}) {
+        INFO((grid ? "grid" : "normal")
+             << " values, depth " << depth << ", " << panels << " panels of B");
+        const Index cols = 16 * panels, ld = cols + 3;
+        const auto seed = static_cast<std::uint64_t>(depth * 10 + panels);
+        const auto a = grid ? grid_values(kRows * depth, seed) : normal_values(kRows * depth, seed);
+        const auto b =
+            grid ? grid_values(depth * cols, seed + 1) : normal_values(depth * cols, seed + 1);
+        const Index pairs = mha::detail::bf16_pairs(depth);
+        std::vector<std::uint32_t> packed_a(static_cast<std::size_t>(pairs * kRows));
+        std::vector<std::uint32_t> packed_b(static_cast<std::size_t>(panels * pairs * 16));
+        mha::detail::pack_bf16_lhs(PackedOperand{a.data(), depth, 1}, kRows, depth,
+                                   packed_a.data());
+        mha::detail::pack_bf16_rhs(PackedOperand{b.data(), cols, 1}, depth, cols, packed_b.data());
+        // Twice: the first call writes the tile, the second adds to it. The column after the
+        // tile's must stay as it was.
+        std::vector<float> tile(static_cast<std::size_t>(kRows * ld), -7.0F);
+        for (const bool first : {true, false}) {
+          if (panels == 2) {
+            mha::detail::micro_tile_bf16<2>(pairs, packed_a.data(), packed_b.data(), pairs * 16,
+                                            first, tile.data(), ld);
+          } else {
+            mha::detail::micro_tile_bf16<1>(pairs, packed_a.data(), packed_b.data(), 0, first,
+                                            tile.data(), ld);
+          }
+        }
+        bool exact = true, bounded = true, untouched = true;
+        double worst = 0;
+        for (Index i = 0; i < kRows; ++i) {
+          for (Index j = 0; j < ld; ++j) {
+            const double actual = tile[static_cast<std::size_t>(i * ld + j)];
+            if (j >= cols) {
+              untouched = untouched && actual == -7.0;
+              continue;
+            }
+            double sum = 0, magnitude = 0;
+            for (Index k = 0; k < depth; ++k) {
+              const double term =
+                  static_cast<double>(rounded(a[static_cast<std::size_t>(i * depth + k)])) *
+                  static_cast<double>(rounded(b[static_cast<std::size_t>(k * cols + j)]));
+              sum += term;
+              magnitude += std::abs(term);
+            }
+            // Two calls' sums of `depth` products in fp32, then their addition: within twice
+            // γ(depth + 2) = n · 2^-24 / (1 - n · 2^-24) of the terms' magnitudes (a sum of n
+            // terms in fp32 is within γ(n) of them).
+            const double n = static_cast<double>(depth + 2), u = std::ldexp(1.0, -24);
+            const double bound = 2 * (n * u / (1 - n * u)) * magnitude;
+            exact = exact && actual == 2 * sum;
+            bounded = bounded && std::abs(actual - 2 * sum) <= bound;
+            worst = std::max(worst, std::abs(actual - 2 * sum) / std::max(bound, 1e-30));
+          }
+        }
+        if (grid) CHECK(exact);
+        CHECK(bounded);
+        CHECK(untouched);
+        INFO("largest error, as a fraction of the bound: " << worst);
+      }
+    }
+  }
+}
+#endif
+
+#ifdef MHA_PACKED_GEMM_X86
+TEST_CASE("a bf16 projection x Wᵀ equals double on the bf16 operands, on any number of threads",
+          "[bf16_gemm]") {
+  if (!mha::detail::bf16_dot_available()) {
+    WARN("this CPU lacks AVX512_BF16: the bf16 projection is not run");
+    return;
+  }
+  using Buffer = std::vector<std::uint32_t, Eigen::aligned_allocator<std::uint32_t>>;
+  // Rows that end in partial panels of 6, outputs in partial tiles of 32 and 16 and over more
+  // than one chunk, depths odd and over more than one slice of pairs; x and W with columns beyond
+  // the product's, dst with columns beyond the outputs'.
+  for (const bool grid : {true, false}) {
+    for (const Index rows : {1, 7, 64}) {
+      for (const Index outputs : {16, 45, 300}) {
+        for (const Index depth : {7, 512, 1031}) {
+          if (grid && depth > 512) continue;  // (grid sums stay exact up to 512 terms)
+          INFO((grid ? "grid" : "normal")
+               << " values: " << rows << " rows, " << outputs << " outputs, depth " << depth);
+          const Index x_stride = depth + 3, w_stride = depth + 5, ld = outputs + 2;
+          const auto seed = static_cast<std::uint64_t>(rows * 7 + outputs * 3 + depth);
+          const auto x =
+              grid ? grid_values(rows * x_stride, seed) : normal_values(rows * x_stride, seed);
+          const auto w = grid ? grid_values(outputs * w_stride, seed + 1)
+                              : normal_values(outputs * w_stride, seed + 1);
+          mha::detail::Bf16PackedWeight packed;
+          mha::detail::pack_bf16_weight(w.data(), outputs, depth, w_stride, packed);
+          Buffer packed_x;
+          std::vector<float> dst(static_cast<std::size_t>(rows * ld), -7.0F);
+          for (const bool accumulate : {false, true}) {
+            mha::detail::bf16_projection(x.data(), rows, x_stride, packed, dst.data(), ld,
+                                         accumulate, packed_x);
+          }
+          bool exact = true, bounded = true, untouched = true;
+          for (Index i = 0; i < rows; ++i) {
+            for (Index n = 0; n < ld; ++n) {
+              const double actual = dst[static_cast<std::size_t>(i * ld + n)];
+              if (n >= outputs) {
+                untouched = untouched && actual == -7.0;
+                continue;
+              }
+              double sum = 0, magnitude = 0;
+              for (Index k = 0; k < depth; ++k) {
+                const double term =
+                    static_cast<double>(rounded(x[static_cast<std::size_t>(i * x_stride + k)])) *
+                    static_cast<double>(rounded(w[static_cast<std::size_t>(n * w_stride + k)]));
+                sum += term;
+                magnitude += std::abs(term);
+              }
+              // Two calls' sums of `depth` products in fp32 (slice sums added in turn), then
+              // their addition: within twice γ(depth + 2) of the terms' magnitudes.
+              const double m = static_cast<double>(depth + 2), u = std::ldexp(1.0, -24);
+              exact = exact && actual == 2 * sum;
+              bounded =
+                  bounded && std::abs(actual - 2 * sum) <= 2 * (m * u / (1 - m * u)) * magnitude;
+            }
+          }
+          if (grid) CHECK(exact);
+          CHECK(bounded);
+          CHECK(untouched);
+#ifdef _OPENMP
+          // The same bits on one thread and on three.
+          const int threads_before = omp_get_max_threads();
+          std::vector<float> one(dst.size()), three(dst.size());
+          omp_set_num_threads(1);
+          mha::detail::bf16_projection(x.data(), rows, x_stride, packed, one.data(), ld, false,
+                                       packed_x);
+          omp_set_num_threads(3);
+          mha::detail::bf16_projection(x.data(), rows, x_stride, packed, three.data(), ld, false,
+                                       packed_x);
+          omp_set_num_threads(threads_before);
+          CHECK(one == three);
+#endif
+        }
+      }
+    }
+  }
+}
+#endif
