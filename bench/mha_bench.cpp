@@ -178,6 +178,30 @@ void set_flops(benchmark::State& state, const WallClock& wall, double flops_per_
   }
 }
 
+// A benchmark's timing: call() once before it, then once an iteration, `flops` an iteration.
+template <class Call>
+void time_calls(benchmark::State& state, const Call& call, const void* dst, double flops) {
+  call();
+  const WallClock wall;
+  for (auto _ : state) {
+    call();
+    benchmark::DoNotOptimize(dst);
+  }
+  set_flops(state, wall, flops);
+}
+
+// The micro-kernel benchmarks' calls: sweep(t) on every thread t at once, each its own copy of
+// the operands, so that B's bytes stream as in the layer's products.
+template <class Sweep>
+void time_sweeps(benchmark::State& state, mha::Index threads, const Sweep& sweep, const void* dst,
+                 double flops) {
+  const auto run = [&] {
+    MHA_OMP_PRAGMA(omp parallel for schedule(static))
+    for (mha::Index t = 0; t < threads; ++t) sweep(t);
+  };
+  time_calls(state, run, dst, flops);
+}
+
 // GB_per_s read, and of_read_bandwidth: that rate as a fraction of the memory read bandwidth
 // measured in this run.
 void set_bytes_read(benchmark::State& state, const WallClock& wall, double bytes_per_iteration) {
@@ -757,13 +781,8 @@ void projection_prepacked(benchmark::State& state) {
     state.SkipWithError("the prepacked product differs from the layer's");
     return;
   }
-  const WallClock wall;
-  for (auto _ : state) {
-    multiply();
-    benchmark::DoNotOptimize(dst.data());
-  }
-  set_flops(state, wall,
-            2.0 * static_cast<double>(L) * static_cast<double>(E) * static_cast<double>(N));
+  time_calls(state, multiply, dst.data(),
+             2.0 * static_cast<double>(L) * static_cast<double>(E) * static_cast<double>(N));
 }
 
 // The same product in bf16 with fp32 sums (kernels/bf16_gemm.hpp's bf16_projection): W packed
@@ -793,13 +812,8 @@ void projection_bf16(benchmark::State& state) {
       x.matrix().cast<double>() * w.matrix().cast<double>().transpose();
   const double error =
       (dst.matrix().cast<double>() - exact).cwiseAbs().maxCoeff() / exact.cwiseAbs().maxCoeff();
-  const WallClock wall;
-  for (auto _ : state) {
-    multiply();
-    benchmark::DoNotOptimize(dst.data());
-  }
-  set_flops(state, wall,
-            2.0 * static_cast<double>(L) * static_cast<double>(E) * static_cast<double>(N));
+  time_calls(state, multiply, dst.data(),
+             2.0 * static_cast<double>(L) * static_cast<double>(E) * static_cast<double>(N));
   state.counters["of_bf16_peak"] =
       state.counters["GFLOPS"] / std::max(mha_bench::ceilings().bf16_gflops, 1e-9);
   state.counters["error_of_largest"] = error;
@@ -846,18 +860,8 @@ void micro_tile(benchmark::State& state) {
       }
     }
   };
-  const auto run = [&] {
-    MHA_OMP_PRAGMA(omp parallel for schedule(static))
-    for (mha::Index t = 0; t < threads; ++t) sweep(t);
-  };
-  run();
-  const WallClock wall;
-  for (auto _ : state) {
-    run();
-    benchmark::DoNotOptimize(dst.data());
-  }
-  set_flops(state, wall,
-            2.0 * static_cast<double>(threads * a_rows * cols) * static_cast<double>(depth));
+  time_sweeps(state, threads, sweep, dst.data(),
+              2.0 * static_cast<double>(threads * a_rows * cols) * static_cast<double>(depth));
   state.counters["B_KiB"] = static_cast<double>(cols * depth) * 4.0 / 1024.0;
 }
 
@@ -896,18 +900,8 @@ void micro_tile_bf16(benchmark::State& state) {
     static_cast<void>(t);
 #endif
   };
-  const auto run = [&] {
-    MHA_OMP_PRAGMA(omp parallel for schedule(static))
-    for (mha::Index t = 0; t < threads; ++t) sweep(t);
-  };
-  run();
-  const WallClock wall;
-  for (auto _ : state) {
-    run();
-    benchmark::DoNotOptimize(dst.data());
-  }
-  set_flops(state, wall,
-            2.0 * static_cast<double>(threads * a_rows * cols) * static_cast<double>(depth));
+  time_sweeps(state, threads, sweep, dst.data(),
+              2.0 * static_cast<double>(threads * a_rows * cols) * static_cast<double>(depth));
   state.counters["of_bf16_peak"] =
       state.counters["GFLOPS"] / std::max(mha_bench::ceilings().bf16_gflops, 1e-9);
   state.counters["B_KiB"] = static_cast<double>(cols * pairs) * 4.0 / 1024.0;

@@ -85,40 +85,37 @@ inline Index bf16_pairs(Index depth) {
   return (depth + 1) / 2;
 }
 
-// op(B) [depth, cols] (element (k, j) at b.at(k, j)) into panels of kNr columns, panel q at out +
-// q · pairs · kNr as [pairs, kNr] (see the top): packed_width(cols) / kNr panels.
-inline void pack_bf16_rhs(const PackedOperand& b, Index depth, Index cols, std::uint32_t* out) {
-  using S = Bf16GemmShape;
+// `count` rows of X [count, depth] (element (i, k) at at(i, k)) into panels of `unit` rows,
+// panel q at out + q · pairs · unit as [pairs, unit]: lane (p, i) holds the pair (X(q·unit + i,
+// 2p), X(q·unit + i, 2p + 1)), zeros past the last row and depth.
+template <class At>
+void pack_bf16_panels(const At& at, Index count, Index depth, Index unit, std::uint32_t* out) {
   const Index pairs = bf16_pairs(depth);
-  for (Index j0 = 0; j0 < cols; j0 += S::kNr) {
-    std::uint32_t* panel = out + (j0 / S::kNr) * pairs * S::kNr;
+  for (Index i0 = 0; i0 < count; i0 += unit) {
+    std::uint32_t* panel = out + (i0 / unit) * pairs * unit;
     for (Index p = 0; p < pairs; ++p) {
-      for (Index j = 0; j < S::kNr; ++j) {
-        const bool inside = j0 + j < cols;
-        const float low = inside ? b.at(2 * p, j0 + j) : 0.0F;
-        const float high = inside && 2 * p + 1 < depth ? b.at(2 * p + 1, j0 + j) : 0.0F;
-        panel[p * S::kNr + j] = bf16_pair(low, high);
+      for (Index i = 0; i < unit; ++i) {
+        const bool inside = i0 + i < count;
+        const float low = inside ? at(i0 + i, 2 * p) : 0.0F;
+        const float high = inside && 2 * p + 1 < depth ? at(i0 + i, 2 * p + 1) : 0.0F;
+        panel[p * unit + i] = bf16_pair(low, high);
       }
     }
   }
 }
 
+// op(B) [depth, cols] (element (k, j) at b.at(k, j)) into panels of kNr columns, panel q at out +
+// q · pairs · kNr as [pairs, kNr] (see the top).
+inline void pack_bf16_rhs(const PackedOperand& b, Index depth, Index cols, std::uint32_t* out) {
+  pack_bf16_panels([&b](Index j, Index k) { return b.at(k, j); }, cols, depth, Bf16GemmShape::kNr,
+                   out);
+}
+
 // op(A) [rows, depth] (element (i, k) at a.at(i, k)) into panels of kMr rows, panel q at out + q ·
 // pairs · kMr as [pairs, kMr] (see the top).
 inline void pack_bf16_lhs(const PackedOperand& a, Index rows, Index depth, std::uint32_t* out) {
-  using S = Bf16GemmShape;
-  const Index pairs = bf16_pairs(depth);
-  for (Index i0 = 0; i0 < rows; i0 += S::kMr) {
-    std::uint32_t* panel = out + (i0 / S::kMr) * pairs * S::kMr;
-    for (Index p = 0; p < pairs; ++p) {
-      for (Index i = 0; i < S::kMr; ++i) {
-        const bool inside = i0 + i < rows;
-        const float low = inside ? a.at(i0 + i, 2 * p) : 0.0F;
-        const float high = inside && 2 * p + 1 < depth ? a.at(i0 + i, 2 * p + 1) : 0.0F;
-        panel[p * S::kMr + i] = bf16_pair(low, high);
-      }
-    }
-  }
+  pack_bf16_panels([&a](Index i, Index k) { return a.at(i, k); }, rows, depth, Bf16GemmShape::kMr,
+                   out);
 }
 
 #ifdef MHA_PACKED_GEMM_X86

@@ -27,6 +27,21 @@
 
 namespace mha::detail {
 
+// scale · q · k over `depth`: one chain of packets, summed across lanes, then the rest one by one.
+inline float scaled_dot(const float* q, const float* k, Index depth, float scale) {
+  using Packet = Eigen::internal::packet_traits<float>::type;
+  constexpr Index lanes = Eigen::internal::packet_traits<float>::size;
+  const Index vector_depth = depth / lanes * lanes;
+  Packet s = Eigen::internal::pzero(Packet{});
+  for (Index d = 0; d < vector_depth; d += lanes) {
+    s = Eigen::internal::pmadd(Eigen::internal::ploadu<Packet>(q + d),
+                               Eigen::internal::ploadu<Packet>(k + d), s);
+  }
+  float dot = Eigen::internal::predux(s);
+  for (Index d = vector_depth; d < depth; ++d) dot += q[d] * k[d];
+  return scale * dot;
+}
+
 // scores[j] = scale · q · key_j for `count` keys [count, depth] whose rows are `stride` apart:
 // four keys at a time, so that each packet of q is loaded once for four products.
 inline void scaled_dots(const float* q, const float* keys, Index stride, Index count, Index depth,
@@ -60,16 +75,7 @@ inline void scaled_dots(const float* q, const float* keys, Index stride, Index c
     }
     for (int t = 0; t < 4; ++t) scores[j + t] = scale * dots[t];
   }
-  for (; j < count; ++j) {
-    const float* k = keys + j * stride;
-    Packet s = Eigen::internal::pzero(Packet{});
-    for (Index d = 0; d < vector_depth; d += lanes) {
-      s = pmadd(ploadu<Packet>(q + d), ploadu<Packet>(k + d), s);
-    }
-    float dot = predux(s);
-    for (Index d = vector_depth; d < depth; ++d) dot += q[d] * k[d];
-    scores[j] = scale * dot;
-  }
+  for (; j < count; ++j) scores[j] = scaled_dot(q, keys + j * stride, depth, scale);
 }
 
 // acc[0, width) += Σ_j weights[j] · values_j[0, width) for `count` value rows `stride` apart: the
@@ -121,23 +127,10 @@ inline void accumulate_weighted_rows(float* acc, Index width, const float* weigh
 inline void scaled_dots_by_rows(const float* q, Index heads, const float* keys, Index stride,
                                 Index count, Index depth, float scale, float* scores,
                                 Index score_stride) {
-  using Eigen::internal::ploadu;
-  using Eigen::internal::pmadd;
-  using Packet = Eigen::internal::packet_traits<float>::type;
-  constexpr Index lanes = Eigen::internal::packet_traits<float>::size;
-  const Index vector_depth = depth / lanes * lanes;
   for (Index j = 0; j < count; ++j) {
     const float* row = keys + j * stride;
     for (Index g = 0; g < heads; ++g) {
-      const float* k = row + g * depth;
-      const float* query = q + g * depth;
-      Packet s = Eigen::internal::pzero(Packet{});
-      for (Index d = 0; d < vector_depth; d += lanes) {
-        s = pmadd(ploadu<Packet>(query + d), ploadu<Packet>(k + d), s);
-      }
-      float dot = Eigen::internal::predux(s);
-      for (Index d = vector_depth; d < depth; ++d) dot += query[d] * k[d];
-      scores[g * score_stride + j] = scale * dot;
+      scores[g * score_stride + j] = scaled_dot(q + g * depth, row + g * depth, depth, scale);
     }
   }
 }
