@@ -1,9 +1,9 @@
 // bf16 products with fp32 sums: the packed panels and the register-blocked micro-kernel of
 // `vdpbf16ps` (AVX512_BF16), which this CPU family runs at twice its fp32 FMA rate (each 32-bit
 // lane adds two bf16 products to an fp32 sum). Chosen at run time from CPUID
-// (bf16_dot_available): a binary built for plain x86-64 runs everywhere and takes the fp32 path
-// where the instruction is absent. The first step of the reduced-precision work (issue 18): the
-// GEMM driver, the flash tiles and the layer's bf16 mode build on these.
+// (bf16_dot_available): a binary built for plain x86-64 runs everywhere, and its callers keep
+// to fp32 where the instruction is absent. The first step of the reduced-precision work (issue
+// 18): the flash tiles and the layer's bf16 mode are to build on these.
 //
 // Shapes: dst [M, N] = (or +=) op(A) [M, K] · op(B) [K, N], both operands rounded to bf16 (to
 // nearest, ties to even) as they are packed, the sums kept in fp32. The depth is taken in pairs:
