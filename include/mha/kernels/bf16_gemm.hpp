@@ -15,7 +15,8 @@
 //
 // Rounding: each product of two bf16 values is exact in fp32; the instruction adds the two of a
 // lane to the sum with the rounding of fp32 arithmetic (denormal inputs and results flushed to
-// zero, whatever MXCSR says). So an element's error against the exact product of the rounded
+// zero, whatever MXCSR says: test_bf16_gemm checks it). So an element's error against the exact
+// product of the rounded
 // operands is that of a K-term fp32 sum, and its error against the float operands adds their
 // rounding to bf16 (8 significant bits: a relative 2^-9 per operand).
 #pragma once
