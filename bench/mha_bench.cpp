@@ -27,6 +27,7 @@
 #include <vector>
 
 #include <mha/kernels/bf16_gemm.hpp>
+#include <mha/kernels/bf16_projection.hpp>
 #include <mha/kernels/decode.hpp>
 #include <mha/mha.hpp>
 
@@ -242,14 +243,17 @@ void ceiling_read(benchmark::State& state) {
 
 // With `frozen` (forward_frozen/): the same layer as a FrozenMultiHeadAttention, its weights
 // packed once before the timing, as ONNX Runtime packs them when its session is made.
+// `precision`: ForwardOptions::precision (forward_bf16/).
 template <class Layer = mha::MultiHeadAttention<float>>
-void forward(benchmark::State& state, mha::Kernel kernel, bool fresh = false) {
+void forward(benchmark::State& state, mha::Kernel kernel, bool fresh = false,
+             mha::Precision precision = mha::Precision::fp32) {
   const mha::Index B = state.range(0), L = state.range(1), E = state.range(2), H = state.range(3);
   const Layer layer{mha::MultiHeadAttention<float>(E, H)};
   const auto x = random_tensor({B, L, E}, 1);
   mha::ForwardOptions<float> options;
   options.need_weights = false;
   options.kernel = kernel;
+  options.precision = precision;
   report_peak_memory(state, [&] { benchmark::DoNotOptimize(layer.forward(x, x, x, options)); });
   // A Workspace and a result kept from call to call, as a serving loop keeps them (and as ONNX
   // Runtime's arena keeps its buffers); `fresh` (forward_fresh/): forward(x, x, x, options),
@@ -785,10 +789,10 @@ void projection_prepacked(benchmark::State& state) {
              2.0 * static_cast<double>(L) * static_cast<double>(E) * static_cast<double>(N));
 }
 
-// The same product in bf16 with fp32 sums (kernels/bf16_gemm.hpp's bf16_projection): W packed
-// once into bf16 panels before the timing, as projection_prepacked packs it, x rounded and packed
-// at every call. Against projection_prepacked: what `vdpbf16ps` gains on the layer's shapes.
-// of_bf16_peak: the fraction of the bf16 dot-product peak measured in this run;
+// The same product in bf16 with fp32 sums (kernels/bf16_projection.hpp): W packed
+// once into bf16 panels before the timing, as projection_prepacked packs it, x rounded into rows
+// of pairs at every call. Against projection_prepacked: what `vdpbf16ps` gains on the layer's
+// shapes. of_bf16_peak: the fraction of the bf16 dot-product peak measured in this run;
 // error_of_largest: the largest error against the float operands' product in double, over its
 // largest element.
 void projection_bf16(benchmark::State& state) {
@@ -800,8 +804,8 @@ void projection_bf16(benchmark::State& state) {
   const auto x = random_tensor({L, E}, 1), w = random_tensor({N, E}, 2);
   mha::Tensor<float> dst({L, N});
   mha::detail::Bf16PackedWeight packed;
-  mha::detail::pack_bf16_weight(w.data(), N, E, E, packed);
-  std::vector<std::uint32_t, Eigen::aligned_allocator<std::uint32_t>> packed_x;
+  mha::detail::Bf16Lanes packed_x;
+  mha::detail::pack_bf16_weight(w.data(), N, E, E, packed, packed_x);
   const auto multiply = [&] {
     mha::detail::bf16_projection(x.data(), L, E, packed, dst.data(), N, false, packed_x);
   };
@@ -866,9 +870,9 @@ void micro_tile(benchmark::State& state) {
 }
 
 // The bf16 micro-kernel alone (kernels/bf16_gemm.hpp's micro_tile_bf16, 6 x 32, `vdpbf16ps`),
-// swept as micro_tile sweeps the fp32 one: 72 packed rows of A against B_cols = range(0) packed
-// columns at a depth of 256 (128 pairs; B's bytes half the fp32 panels'), every thread its own
-// copy at once. of_bf16_peak: the fraction of the bf16 dot-product peak measured in this run.
+// swept as micro_tile sweeps the fp32 one: 72 rows of A (rows of pairs) against B_cols = range(0)
+// packed columns at a depth of 256 (128 pairs; B's bytes half the fp32 panels'), every thread its
+// own copy at once. of_bf16_peak: the fraction of the bf16 dot-product peak measured in this run.
 void micro_tile_bf16(benchmark::State& state) {
   using Shape = mha::detail::Bf16GemmShape;
   const mha::Index cols = state.range(0), depth = 256, a_rows = 72;
@@ -892,8 +896,8 @@ void micro_tile_bf16(benchmark::State& state) {
     float* out = dst[static_cast<std::size_t>(t)].data();
     for (mha::Index i = 0; i < a_rows; i += Shape::kMr) {
       for (mha::Index j = 0; j < cols; j += 2 * Shape::kNr) {
-        mha::detail::micro_tile_bf16<2>(pairs, a.data() + i * pairs, panels + j * pairs,
-                                        Shape::kNr * pairs, false, out + i * cols + j, cols);
+        mha::detail::micro_tile_bf16<2>(pairs, a.data() + i * pairs, pairs, panels + j * pairs,
+                                        Shape::kNr * pairs, 1.0F, false, out + i * cols + j, cols);
       }
     }
 #else
@@ -1019,6 +1023,15 @@ void reference_shapes(benchmark::internal::Benchmark* b) {
 void sweep_shapes(benchmark::internal::Benchmark* b) {
   with_configs(b, all_configs(16384));
 }
+// Precision::bf16: the default configurations, L = 512 at E = 512, H = 8, and the head counts at
+// L = 2048, E = 1024 (D = 64 and 128: the small-head kernel, D <= 16, stays fp32).
+void bf16_shapes(benchmark::internal::Benchmark* b) {
+  std::set<Config> configs(kDefaultConfigs.begin(), kDefaultConfigs.end());
+  configs.insert({1, 512, 512, 8});
+  configs.insert({1, 2048, 1024, 8});
+  configs.insert({1, 2048, 1024, 16});
+  with_configs(b, configs);
+}
 
 }  // namespace
 
@@ -1036,6 +1049,26 @@ void forward_frozen(benchmark::State& state, mha::Kernel kernel) {
 }
 BENCHMARK_CAPTURE(forward_frozen, auto, mha::Kernel::automatic) -> Name("forward_frozen/auto")
     -> Apply(sweep_shapes);
+// The layer with Precision::bf16 (projections and flash tiles in bf16 with fp32 sums), as a
+// MultiHeadAttention (its weights packed into bf16 panels at every call) and frozen (packed
+// once); against forward/auto and forward_frozen/auto of the same run. of_bf16_peak: the
+// fraction of the bf16 dot-product peak measured in this run.
+void forward_bf16(benchmark::State& state, bool frozen) {
+  if (!mha::bf16_arithmetic_available()) {
+    state.SkipWithError("this CPU lacks AVX512_BF16");
+    return;
+  }
+  if (frozen) {
+    forward<mha::FrozenMultiHeadAttention<float>>(state, mha::Kernel::automatic, false,
+                                                  mha::Precision::bf16);
+  } else {
+    forward(state, mha::Kernel::automatic, false, mha::Precision::bf16);
+  }
+  state.counters["of_bf16_peak"] =
+      state.counters["GFLOPS"] / std::max(mha_bench::ceilings().bf16_gflops, 1e-9);
+}
+BENCHMARK_CAPTURE(forward_bf16, layer, false)->Name("forward_bf16/auto")->Apply(bf16_shapes);
+BENCHMARK_CAPTURE(forward_bf16, frozen, true)->Name("forward_bf16_frozen/auto")->Apply(bf16_shapes);
 BENCHMARK_CAPTURE(forward, fresh, mha::Kernel::automatic, true)
     ->Name("forward_fresh/auto")
     ->Apply(default_shapes);

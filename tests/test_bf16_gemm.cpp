@@ -1,8 +1,9 @@
-// bf16 products with fp32 sums (kernels/bf16_gemm.hpp): the rounding to bf16 against Eigen's
-// (to nearest, ties to even), the packed panels' layout with odd depths and partial panels, and
-// the `vdpbf16ps` micro-kernel, where the CPU has it, against double: exactly on grid values
-// (which bf16 holds and whose sums fp32 holds), and within the bound of a K-term fp32 sum on
-// random values rounded to bf16.
+// bf16 products with fp32 sums (kernels/bf16_gemm.hpp, bf16_projection.hpp): the rounding to bf16
+// against Eigen's (to nearest, ties to even), the operands' layouts (rows of pairs, panels from
+// a matrix's rows or columns) with odd depths and partial panels, vectorised and element by
+// element, and the `vdpbf16ps` micro-kernel and the projection, where the CPU has it, against
+// double: exactly on grid values (which bf16 holds and whose sums fp32 holds), and within the
+// bound of a K-term fp32 sum on random values rounded to bf16.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -11,6 +12,7 @@
 
 #include "helpers.hpp"
 #include "mha/kernels/bf16_gemm.hpp"
+#include "mha/kernels/bf16_projection.hpp"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -77,50 +79,65 @@ TEST_CASE("floats round to bf16 to nearest with ties to even, as Eigen's bfloat1
   CHECK(differ == 0);
 }
 
-TEST_CASE("packed bf16 panels hold each depth pair of a column or row, padded with zeros",
+TEST_CASE("bf16 operands hold each depth pair of a row or column, padded with zeros",
           "[bf16_gemm]") {
-  using mha::detail::PackedOperand;
-  for (const Index depth : {1, 2, 7, 16}) {
-    for (const Index width : {1, 6, 16, 21}) {
+  // Rows of pairs (A), and panels of 16 (B) from M's rows (pack_bf16_transposed: keys, weights)
+  // or from its columns (pack_bf16_columns: values), by the vectorised code where the CPU has
+  // AVX512_BF16 and element by element elsewhere: each lane must hold the two bf16 of its pair,
+  // to nearest with ties to even, and zeros past the last row, column and depth.
+  constexpr Index kNr = Bf16GemmShape::kNr;
+  for (const Index depth : {1, 2, 7, 16, 33, 70}) {
+    for (const Index width : {1, 6, 16, 21, 40}) {
       INFO("depth " << depth << ", width " << width);
-      const auto values = normal_values(depth * width, 5 + static_cast<std::uint64_t>(depth));
-      const Index pairs = mha::detail::bf16_pairs(depth);
-      // B [depth, width] row-major; A = its transpose [width, depth], read through the same
-      // storage with the steps swapped.
-      const PackedOperand b{values.data(), width, 1};
-      const PackedOperand a{values.data(), 1, width};
-      const Index b_panels = (width + Bf16GemmShape::kNr - 1) / Bf16GemmShape::kNr;
-      const Index a_panels = (width + Bf16GemmShape::kMr - 1) / Bf16GemmShape::kMr;
-      std::vector<std::uint32_t> packed_b(
-          static_cast<std::size_t>(b_panels * pairs * Bf16GemmShape::kNr), 0xDEADBEEFU);
-      std::vector<std::uint32_t> packed_a(
-          static_cast<std::size_t>(a_panels * pairs * Bf16GemmShape::kMr), 0xDEADBEEFU);
-      mha::detail::pack_bf16_rhs(b, depth, width, packed_b.data());
-      mha::detail::pack_bf16_lhs(a, width, depth, packed_a.data());
-      const auto expected = [&](Index k, Index j) -> std::uint16_t {
-        return k < depth && j < width
-                   ? mha::detail::to_bf16_bits(values[static_cast<std::size_t>(k * width + j)])
-                   : 0;
-      };
-      bool b_right = true, a_right = true;
-      for (Index p = 0; p < pairs; ++p) {
-        for (Index j = 0; j < b_panels * Bf16GemmShape::kNr; ++j) {
-          const std::uint32_t lane = packed_b[static_cast<std::size_t>(
-              (j / Bf16GemmShape::kNr) * pairs * Bf16GemmShape::kNr + p * Bf16GemmShape::kNr +
-              j % Bf16GemmShape::kNr)];
-          b_right = b_right && (lane & 0xFFFFU) == expected(2 * p, j) &&
-                    (lane >> 16) == expected(2 * p + 1, j);
-        }
-        for (Index i = 0; i < a_panels * Bf16GemmShape::kMr; ++i) {
-          const std::uint32_t lane = packed_a[static_cast<std::size_t>(
-              (i / Bf16GemmShape::kMr) * pairs * Bf16GemmShape::kMr + p * Bf16GemmShape::kMr +
-              i % Bf16GemmShape::kMr)];
-          a_right = a_right && (lane & 0xFFFFU) == expected(2 * p, i) &&
-                    (lane >> 16) == expected(2 * p + 1, i);
+      // M [width, depth] with rows `stride` apart, and its transpose [depth, width] likewise.
+      const Index stride = depth + 3, t_stride = width + 2;
+      const auto values = normal_values(width * stride, 5 + static_cast<std::uint64_t>(depth));
+      std::vector<float> transposed(static_cast<std::size_t>(depth * t_stride), 0.0F);
+      for (Index j = 0; j < width; ++j) {
+        for (Index k = 0; k < depth; ++k) {
+          transposed[static_cast<std::size_t>(k * t_stride + j)] =
+              values[static_cast<std::size_t>(j * stride + k)];
         }
       }
-      CHECK(b_right);
-      CHECK(a_right);
+      const Index pairs = mha::detail::bf16_pairs(depth), panels = mha::detail::bf16_panels(width);
+      const auto expected = [&](Index j, Index k) -> std::uint16_t {
+        return k < depth && j < width
+                   ? mha::detail::to_bf16_bits(values[static_cast<std::size_t>(j * stride + k)])
+                   : 0;
+      };
+      const auto holds = [&](std::uint32_t lane, Index j, Index p) {
+        return (lane & 0xFFFFU) == expected(j, 2 * p) && (lane >> 16) == expected(j, 2 * p + 1);
+      };
+      mha::detail::Bf16Lanes rows(static_cast<std::size_t>(width * (pairs + 1)), 0xDEADBEEFU);
+      mha::detail::round_rows_bf16(values.data(), width, depth, stride, rows.data(), pairs + 1);
+      std::vector<std::uint32_t> from_rows(static_cast<std::size_t>(panels * pairs * kNr),
+                                           0xDEADBEEFU);
+      std::vector<std::uint32_t> from_columns = from_rows;
+      mha::detail::Bf16Lanes scratch;
+      mha::detail::pack_bf16_transposed(values.data(), width, depth, stride, from_rows.data(),
+                                        scratch);
+      mha::detail::pack_bf16_columns(transposed.data(), depth, width, t_stride,
+                                     from_columns.data());
+      bool rows_right = true, untouched = true, transposed_right = true, columns_right = true;
+      for (Index j = 0; j < width; ++j) {
+        for (Index p = 0; p < pairs; ++p) {
+          rows_right =
+              rows_right && holds(rows[static_cast<std::size_t>(j * (pairs + 1) + p)], j, p);
+        }
+        untouched =
+            untouched && rows[static_cast<std::size_t>(j * (pairs + 1) + pairs)] == 0xDEADBEEFU;
+      }
+      for (Index j = 0; j < panels * kNr; ++j) {
+        for (Index p = 0; p < pairs; ++p) {
+          const auto at = static_cast<std::size_t>((j / kNr) * pairs * kNr + p * kNr + j % kNr);
+          transposed_right = transposed_right && holds(from_rows[at], j, p);
+          columns_right = columns_right && holds(from_columns[at], j, p);
+        }
+      }
+      CHECK(rows_right);
+      CHECK(untouched);
+      CHECK(transposed_right);
+      CHECK(columns_right);
     }
   }
 }
@@ -132,7 +149,6 @@ TEST_CASE("the bf16 micro-kernel equals double on values bf16 holds, and its rou
     WARN("this CPU lacks AVX512_BF16: the bf16 micro-kernel is not run");
     return;
   }
-  using mha::detail::PackedOperand;
   constexpr Index kRows = Bf16GemmShape::kMr;
   for (const bool grid : {true, false}) {
     for (const Index depth : {1, 2, 7, 64, 257, 512}) {
@@ -145,21 +161,22 @@ TEST_CASE("the bf16 micro-kernel equals double on values bf16 holds, and its rou
         const auto b =
             grid ? grid_values(depth * cols, seed + 1) : normal_values(depth * cols, seed + 1);
         const Index pairs = mha::detail::bf16_pairs(depth);
-        std::vector<std::uint32_t> packed_a(static_cast<std::size_t>(pairs * kRows));
+        // A as rows of pairs a few lanes longer than the depth's, B as panels of its columns.
+        const Index a_stride = pairs + 2;
+        std::vector<std::uint32_t> rows_a(static_cast<std::size_t>(a_stride * kRows));
         std::vector<std::uint32_t> packed_b(static_cast<std::size_t>(panels * pairs * 16));
-        mha::detail::pack_bf16_lhs(PackedOperand{a.data(), depth, 1}, kRows, depth,
-                                   packed_a.data());
-        mha::detail::pack_bf16_rhs(PackedOperand{b.data(), cols, 1}, depth, cols, packed_b.data());
-        // Twice: the first call writes the tile, the second adds to it. The column after the
-        // tile's must stay as it was.
+        mha::detail::round_rows_bf16(a.data(), kRows, depth, depth, rows_a.data(), a_stride);
+        mha::detail::pack_bf16_columns(b.data(), depth, cols, cols, packed_b.data());
+        // Twice: the first call writes the tile, the second adds to it, each scaled by 1/8
+        // (exact on the grid). The column after the tile's must stay as it was.
         std::vector<float> tile(static_cast<std::size_t>(kRows * ld), -7.0F);
         for (const bool first : {true, false}) {
           if (panels == 2) {
-            mha::detail::micro_tile_bf16<2>(pairs, packed_a.data(), packed_b.data(), pairs * 16,
-                                            first, tile.data(), ld);
+            mha::detail::micro_tile_bf16<2>(pairs, rows_a.data(), a_stride, packed_b.data(),
+                                            pairs * 16, 0.125F, first, tile.data(), ld);
           } else {
-            mha::detail::micro_tile_bf16<1>(pairs, packed_a.data(), packed_b.data(), 0, first,
-                                            tile.data(), ld);
+            mha::detail::micro_tile_bf16<1>(pairs, rows_a.data(), a_stride, packed_b.data(), 0,
+                                            0.125F, first, tile.data(), ld);
           }
         }
         bool exact = true, bounded = true, untouched = true;
@@ -184,9 +201,10 @@ TEST_CASE("the bf16 micro-kernel equals double on values bf16 holds, and its rou
             // terms in fp32 is within γ(n) of them).
             const double n = static_cast<double>(depth + 2), u = std::ldexp(1.0, -24);
             const double bound = 2 * (n * u / (1 - n * u)) * magnitude;
-            exact = exact && actual == 2 * sum;
-            bounded = bounded && std::abs(actual - 2 * sum) <= bound;
-            worst = std::max(worst, std::abs(actual - 2 * sum) / std::max(bound, 1e-30));
+            const double expected = 2 * sum / 8;
+            exact = exact && actual == expected;
+            bounded = bounded && std::abs(actual - expected) <= bound / 8;
+            worst = std::max(worst, std::abs(actual - expected) / std::max(bound / 8, 1e-30));
           }
         }
         if (grid) CHECK(exact);
@@ -225,7 +243,7 @@ TEST_CASE("the bf16 micro-kernel takes denormal inputs and results as zero", "[b
     std::vector<std::uint32_t> a(Bf16GemmShape::kMr, lane(a_values[c], 0));
     std::vector<std::uint32_t> b(16, lane(b_values[c], 0));
     std::vector<float> tile(Bf16GemmShape::kMr * 16, -7.0F);
-    mha::detail::micro_tile_bf16<1>(1, a.data(), b.data(), 0, true, tile.data(), 16);
+    mha::detail::micro_tile_bf16<1>(1, a.data(), 1, b.data(), 0, 1.0F, true, tile.data(), 16);
     CHECK(std::all_of(tile.begin(), tile.end(), [&](float x) { return x == expected[c]; }));
   }
 }
@@ -254,8 +272,8 @@ TEST_CASE("a bf16 projection x Wᵀ equals double on the bf16 operands, on any n
           const auto w = grid ? grid_values(outputs * w_stride, seed + 1)
                               : normal_values(outputs * w_stride, seed + 1);
           mha::detail::Bf16PackedWeight packed;
-          mha::detail::pack_bf16_weight(w.data(), outputs, depth, w_stride, packed);
           Buffer packed_x;
+          mha::detail::pack_bf16_weight(w.data(), outputs, depth, w_stride, packed, packed_x);
           std::vector<float> dst(static_cast<std::size_t>(rows * ld), -7.0F);
           for (const bool accumulate : {false, true}) {
             mha::detail::bf16_projection(x.data(), rows, x_stride, packed, dst.data(), ld,

@@ -38,6 +38,26 @@ inline const char* kernel_name(Kernel kernel) {
   return "unknown";
 }
 
+// The arithmetic of a forward call's products (ForwardOptions::precision):
+//   Precision::fp32  float products, the default: the arithmetic every other is measured against
+//   Precision::bf16  the projections' and the flash kernel's products with operands rounded to
+//                    bf16 and sums in fp32 (`vdpbf16ps`, twice the fp32 rate where the CPU has
+//                    AVX512_BF16); scores, softmax, running max and sums, biases and the output
+//                    in fp32, rounded once to the layer's type. Where the CPU lacks the
+//                    instruction (bf16_arithmetic_available()), the call computes in fp32.
+// bf16 keeps 8 significant bits: outputs within about 1e-2 of the largest output (tested against
+// float64), as PyTorch's bf16 autocast on CPU.
+enum class Precision { fp32, bf16 };
+
+inline const char* precision_name(Precision precision) {
+  return precision == Precision::bf16 ? "bf16" : "fp32";
+}
+
+// Whether Precision::bf16 computes in bf16 on this CPU (else in fp32).
+inline bool bf16_arithmetic_available() {
+  return detail::bf16_dot_available();
+}
+
 namespace detail {
 
 // The kernel that runs: the flash kernel cannot return weights, so asking for both is refused.

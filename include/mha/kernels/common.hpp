@@ -229,6 +229,8 @@ struct CoreOptions {
   Dropout<T> dropout;
   // Talking heads: only the talking-heads kernel (attention_talking_heads) reads it.
   TalkingHeads<T> talking_heads;
+  // Precision::bf16: the flash kernel's products in bf16 with fp32 sums where it can (FlashPath).
+  bool bf16_products = false;
 
   // tile += the scaled (and capped) scores of q [rows, D] against k [cols, D]. With softcap, the
   // capped scores are left in the top-left corner of `capped` (which the caller sized to hold the

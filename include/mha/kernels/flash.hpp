@@ -23,6 +23,7 @@
 #include "mha/compiled.hpp"
 #include "mha/kernels/common.hpp"
 #include "mha/kernels/convert.hpp"
+#include "mha/kernels/flash_bf16.hpp"
 #include "mha/kernels/flash_small_head.hpp"
 #include "mha/softmax.hpp"
 
@@ -59,9 +60,13 @@ constexpr Index kPanelsMinQueries = 16;
 //               exp fused with their sums: float, where packed_gemm_available(), at least
 //               kPanelsMinQueries queries (for a decoding step's few, packing a head would cost
 //               as much as reading it), no softcap (whose capped scores add_scores keeps apart);
+//   bf16_panels the panels' tiles with both products in bf16 and fp32 sums (flash_bf16.hpp), the
+//               softmax in fp32: what options.bf16_products asks for (Precision::bf16), where
+//               bf16_dot_available(), on the cases panels takes; small heads keep their kernel,
+//               whose time is in the exponentials rather than the products;
 //   tiles       tiles of tile_product's products, everywhere else.
 // The kernel dispatches on it and the tests assert which path their cases reach.
-enum class FlashPath { tiles, small_head, panels };
+enum class FlashPath { tiles, small_head, panels, bf16_panels };
 
 template <class T, class Stored = T>
 FlashPath flash_path(Index head_dim, Index value_dim, Index query_len,
@@ -73,7 +78,8 @@ FlashPath flash_path(Index head_dim, Index value_dim, Index query_len,
       return FlashPath::small_head;
     }
     if (packed_gemm_available() && options.softcap == T(0) && query_len >= kPanelsMinQueries) {
-      return FlashPath::panels;
+      return options.bf16_products && bf16_dot_available() ? FlashPath::bf16_panels
+                                                           : FlashPath::panels;
     }
   }
   return FlashPath::tiles;
@@ -197,8 +203,9 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
   // Tiles from packed panels (see FlashPath): each thread packs a head's keys and values once for
   // all the query blocks it takes of it.
   constexpr bool kFloat = std::is_same_v<T, float> && std::is_same_v<Stored, float>;
-  const bool panels =
-      flash_path<T, Stored>(q.cols, value_dim, query_len, options, blocks) == FlashPath::panels;
+  const FlashPath path = flash_path<T, Stored>(q.cols, value_dim, query_len, options, blocks);
+  const bool bf16 = path == FlashPath::bf16_panels;
+  const bool panels = path == FlashPath::panels || bf16;
 
   // Threads split (batch, head, query block) tasks; each task is computed whole by one thread
   // with the same arithmetic, so results do not depend on the number of threads.
@@ -244,6 +251,14 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
       acc_blk.setZero();
       row_max.head(rows).setConstant(kNegInf);
       row_sum.head(rows).setZero();
+      [[maybe_unused]] const std::uint32_t* bf16_queries = nullptr;
+      if constexpr (kFloat) {
+        if (bf16) {
+          bf16_rows_of(q_bh.data() + i0 * q_bh.outerStride(), rows, q.cols, q_bh.outerStride(),
+                       mine.panels.bf16_queries);
+          bf16_queries = mine.panels.bf16_queries.data();
+        }
+      }
 
       const auto process = [&](Index j0, Index cols) {
         auto s = tile.topLeftCorner(rows, cols);
@@ -256,7 +271,10 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
           s.setZero();
         }
         if constexpr (kFloat) {
-          if (panels) {
+          if (bf16) {
+            bf16_scores(mine.panels, bf16_queries, rows, k_bh, j0, cols, options.scale,
+                        !masked_tile, s.data(), tile.outerStride());
+          } else if (panels) {
             // s = (masks +) scale q kᵀ, the keys' panels from the packed head where the block
             // starts at one of its panels.
             const float* keys = FlashPanels::transposed_block(
@@ -312,6 +330,11 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
         }
         if (options.dropout.active()) options.dropout.apply(b, h, i0, j0, s);
         if constexpr (kFloat) {
+          if (bf16) {
+            bf16_accumulate_values(mine.panels, s.data(), tile.outerStride(), rows, cols, v_bh, j0,
+                                   acc_blk.data(), acc.outerStride());
+            return;
+          }
           if (panels) {
             // acc += p v, the values' rows j0 .. of each packed panel: the tile's keys are the
             // product's depth.

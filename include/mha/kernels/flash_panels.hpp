@@ -13,6 +13,7 @@
 
 #include <vector>
 
+#include "mha/kernels/bf16_gemm.hpp"
 #include "mha/kernels/packed_gemm.hpp"
 
 namespace mha::detail {
@@ -65,16 +66,86 @@ class PanelBuffer {
   const float* packed_of_ = nullptr;
 };
 
+// One matrix packed as bf16 panels (bf16_gemm.hpp's B, for Precision::bf16's tiles), kept while
+// the same matrix is asked for again, two ways as PanelBuffer packs:
+//   transposed  for products x · mᵀ: panels of 16 rows of m over its C columns' pairs; rows j0 (a
+//               multiple of 16) onwards start at panel j0 / 16, transposed_stride(m) lanes apart;
+//   rows        for products x · m: panels of 16 columns of m over its R rows' pairs
+//               (rows_stride(m) lanes apart); rows i0 (even) onwards start i0 / 2 · 16 lanes in.
+class Bf16PanelBuffer {
+ public:
+  void forget() { packed_of_ = nullptr; }
+
+  const std::uint32_t* transposed(const ConstStridedMap<float>& m) {
+    if (packed_of_ != m.data()) {
+      grow(bf16_panels(m.rows()) * transposed_stride(m));
+      pack_bf16_transposed(m.data(), m.rows(), m.cols(), m.outerStride(), buffer_.data(), rounded_);
+      packed_of_ = m.data();
+    }
+    return buffer_.data();
+  }
+  static Index transposed_stride(const ConstStridedMap<float>& m) {
+    return bf16_pairs(m.cols()) * Bf16GemmShape::kNr;
+  }
+
+  const std::uint32_t* rows(const ConstStridedMap<float>& m) {
+    if (packed_of_ != m.data()) {
+      grow(bf16_panels(m.cols()) * rows_stride(m));
+      pack_bf16_columns(m.data(), m.rows(), m.cols(), m.outerStride(), buffer_.data());
+      packed_of_ = m.data();
+    }
+    return buffer_.data();
+  }
+  static Index rows_stride(const ConstStridedMap<float>& m) {
+    return bf16_pairs(m.rows()) * Bf16GemmShape::kNr;
+  }
+
+  // Rows j0 .. j0 + count - 1 of m alone, packed at every call (a block that does not start
+  // where the whole head's panels or pairs do), transposed or as rows; their panels are then
+  // bf16_pairs(m.cols()) · 16, or bf16_pairs(count) · 16, lanes apart.
+  const std::uint32_t* block_transposed(const ConstStridedMap<float>& m, Index j0, Index count) {
+    grow(bf16_panels(count) * transposed_stride(m));
+    pack_bf16_transposed(m.data() + j0 * m.outerStride(), count, m.cols(), m.outerStride(),
+                         buffer_.data(), rounded_);
+    packed_of_ = nullptr;
+    return buffer_.data();
+  }
+  const std::uint32_t* block_rows(const ConstStridedMap<float>& m, Index j0, Index count) {
+    grow(bf16_panels(m.cols()) * bf16_pairs(count) * Bf16GemmShape::kNr);
+    pack_bf16_columns(m.data() + j0 * m.outerStride(), count, m.cols(), m.outerStride(),
+                      buffer_.data());
+    packed_of_ = nullptr;
+    return buffer_.data();
+  }
+
+ private:
+  void grow(Index size) {
+    if (static_cast<Index>(buffer_.size()) < size) buffer_.resize(static_cast<std::size_t>(size));
+  }
+
+  Bf16Lanes buffer_, rounded_;
+  const float* packed_of_ = nullptr;
+};
+
 // A thread's packed operands. The forward: keys transposed (q kᵀ), values as rows (p v). The
 // backward also: values transposed (dO vᵀ), keys as rows (dS k), and each query head's queries
 // and output gradients as rows (dSᵀ q, Pᵀ dO).
 struct FlashPanels {
   PanelBuffer keys, values, block_keys;
   PanelBuffer values_transposed, key_rows, queries, grad_out, block_values;
+  // Precision::bf16's forward (flash_bf16.hpp): keys transposed and values as rows, each also
+  // packed apart for blocks that do not start at a panel or pair; a query block's rows and a
+  // tile of probabilities as rows of pairs.
+  Bf16PanelBuffer bf16_keys, bf16_values, bf16_block_keys, bf16_block_values;
+  Bf16Lanes bf16_queries, bf16_probabilities;
 
   void forget() {
     for (PanelBuffer* buffer : {&keys, &values, &block_keys, &values_transposed, &key_rows,
                                 &queries, &grad_out, &block_values}) {
+      buffer->forget();
+    }
+    for (Bf16PanelBuffer* buffer :
+         {&bf16_keys, &bf16_values, &bf16_block_keys, &bf16_block_values}) {
       buffer->forget();
     }
   }

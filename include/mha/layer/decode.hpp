@@ -188,6 +188,11 @@ Index Decoding<T>::check(const LayerParameters<T>& parameters, const TensorView<
   }
   check_head_gate(options.head_gate, config.num_heads);
   check_window(options.window);
+  if (options.precision != Precision::fp32) {
+    throw_argument("precision", std::string("decode computes in fp32; got ") +
+                                    precision_name(options.precision) +
+                                    " (bf16 arithmetic is for forward)");
+  }
   if (!options.attn_mask.empty() || !options.key_padding_mask.empty()) {
     throw_argument("decode",
                    "takes no attn_mask or key_padding_mask: the cache decides which keys a token "

@@ -176,6 +176,7 @@ CoreOptions<compute_t<T>> core_options(const LayerParameters<T>& parameters,
   core.alibi_alignment = options.causal_alignment;
   core.softcap = checked_softcap(options.softcap);
   core.talking_heads = parameters.talking_heads();
+  core.bf16_products = options.precision == Precision::bf16 && bf16_arithmetic_available();
   return core;
 }
 
@@ -239,23 +240,42 @@ void run_forward(const LayerParameters<T>& parameters, const ForwardPlan& plan,
   Compute* k_data;
   Compute* v_data;
   Index q_stride = inner, kv_stride = kv_width;
+  // Precision::bf16 on this CPU (core_options decided it for the flash kernel): projection
+  // `which` (3 = the output's) by a frozen layer's bf16 panels or by its weight packed at this
+  // call; else in fp32, on a frozen float layer's fp32 panels where it has them.
+  const bool bf16 = core.bf16_products;
+  workspace.bf16.forget();
+  const auto route = [&](int which) {
+    ProjectionRoute chosen;
+    if (bf16) chosen.bf16 = &workspace.bf16;
+    if (packed == nullptr) return chosen;
+    if (bf16) {
+      const Bf16PackedWeight& weight = which == 3 ? packed->bf16_output : packed->bf16_input(which);
+      if (!weight.empty()) chosen.bf16_packed = &weight;
+    } else {
+      chosen.packed = which == 3 ? &packed->output : &packed->input(which);
+    }
+    return chosen;
+  };
   if (plan.fused) {
     // [B*L, H·D + 2·H_kv·D]: heads read q, k and v at their column offsets.
     Matrix<Compute>& qkv = workspace.qkv;
     qkv.resize(batch * query_len, inner + 2 * kv_width);
     const ConstStridedMap<Compute> input = const_strided(as_compute(query, workspace.query));
-    if (packed != nullptr && runs_prepacked(packed->query, qkv.rows())) {
+    const bool frozen_bf16 = bf16 && packed != nullptr && !packed->bf16_query.empty();
+    if (frozen_bf16 || (!bf16 && packed != nullptr && runs_prepacked(packed->query, qkv.rows()))) {
       // Three products into qkv's column blocks: an element's sums are the same wherever the
       // columns are cut.
       for (int which = 0; which < 3; ++which) {
         project_rows<Compute>(strided(qkv.middleCols(parameters.bias_offset(which),
                                                      parameters.projection_width(which))),
-                              input, parameters.weight_rows(which), &packed->input(which),
-                              workspace.kernel);
+                              input, parameters.weight_rows(which), route(which), workspace.kernel);
       }
     } else {
-      product_transposed<Compute>(strided(qkv), input, values.in_proj_weight.matrix(),
-                                  Accumulate::no, workspace.kernel);
+      // One product: W_q, W_k and W_v are in_proj_weight's row blocks.
+      project_rows<Compute>(strided(qkv), input, values.in_proj_weight.matrix(),
+                            ProjectionRoute{nullptr, bf16 ? &workspace.bf16 : nullptr, nullptr},
+                            workspace.kernel);
     }
     if (parameters.config().bias) {
       qkv.rowwise() += values.in_proj_bias.flat().transpose().template cast<Compute>();
@@ -267,16 +287,13 @@ void run_forward(const LayerParameters<T>& parameters, const ForwardPlan& plan,
   } else {
     // q [B*L, H·D]; k, v [B*S', H_kv·D] with the extra rows after each batch's S projected rows.
     workspace.q.resize(batch * query_len, inner);
-    const auto packed_weight = [&](int which) {
-      return packed == nullptr ? nullptr : &packed->input(which);
-    };
     project_rows<Compute>(strided(workspace.q), const_strided(as_compute(query, workspace.query)),
-                          parameters.weight_rows(0), packed_weight(0), workspace.kernel);
+                          parameters.weight_rows(0), route(0), workspace.kernel);
     add_bias(parameters, workspace.q, 0);
     project_keys(parameters, as_compute(key, workspace.key), 1, batch, plan.key_len, total_keys,
-                 values.bias_k, workspace.k, workspace.kernel, packed_weight(1));
+                 values.bias_k, workspace.k, workspace.kernel, route(1));
     project_keys(parameters, as_compute(value, workspace.value), 2, batch, plan.key_len, total_keys,
-                 values.bias_v, workspace.v, workspace.kernel, packed_weight(2));
+                 values.bias_v, workspace.v, workspace.kernel, route(2));
     q_data = workspace.q.data();
     k_data = workspace.k.data();
     v_data = workspace.v.data();
@@ -315,7 +332,7 @@ void run_forward(const LayerParameters<T>& parameters, const ForwardPlan& plan,
   }
   result.output.resize(plan.query_shape);
   project_output(parameters, *heads_output, result.output, workspace.output, workspace.kernel,
-                 packed == nullptr ? nullptr : &packed->output);
+                 route(3));
 
   if (!options.need_weights) {
     result.attn_weights = Tensor<T>();

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "mha/attention.hpp"
+#include "mha/kernels/bf16_projection.hpp"
 #include "mha/kernels/common.hpp"
 #include "mha/mask.hpp"
 #include "mha/rotary.hpp"
@@ -55,6 +56,11 @@ struct ForwardOptions {
   std::vector<Compute> head_gate;
   // Which kernel computes the heads; automatic picks flash unless weights are requested.
   Kernel kernel = Kernel::automatic;
+  // The products' arithmetic (see Precision in attention.hpp): bf16 rounds the operands of the
+  // projections and of the flash kernel's products (float and 16-bit layers alike; the reference
+  // kernel, which returns weights, and the small-head kernel, D <= 16, keep fp32). forward only:
+  // forward_train and decode refuse it.
+  Precision precision = Precision::fp32;
   // Refuse NaN and Inf in the inputs (query, key, value; decode's x) and NaN and +inf in additive
   // masks, with a NonFiniteError naming the tensor and the first bad element, before anything is
   // computed. It reads every input element once, which costs little beside the projections. Off,
@@ -88,6 +94,8 @@ struct Workspace {
   Tensor<Compute> weights;
   detail::RopeTable<Compute> rope_queries, rope_keys;
   std::vector<detail::KernelScratch<Compute>> kernel;  // one per thread
+  // Precision::bf16: a weight packed for this call, and the rows being projected.
+  detail::Bf16Scratch bf16;
 };
 
 }  // namespace mha

@@ -6,11 +6,13 @@
 // A 16-bit layer projects in float: its inputs are widened once, its weights as they are
 // multiplied (product_transposed in kernels/gemm.hpp), and its output is rounded once. A frozen
 // float layer (mha/frozen.hpp) multiplies by weights packed once (PackedProjections), with the
-// same rounding.
+// same rounding. With Precision::bf16 (on a CPU with AVX512_BF16) every layer projects in bf16
+// with fp32 sums (kernels/bf16_projection.hpp), on weights packed at the call or, frozen, once.
 #pragma once
 
 #include <type_traits>
 
+#include "mha/kernels/bf16_projection.hpp"
 #include "mha/kernels/convert.hpp"
 #include "mha/kernels/gemm.hpp"
 #include "mha/kernels/prepacked_gemm.hpp"
@@ -34,38 +36,75 @@ Eigen::Map<const Matrix<compute_t<T>>> as_compute(const TensorView<const T>& inp
   }
 }
 
-// The four projections' weights packed once (kernels/prepacked_gemm.hpp): W_q, W_k, W_v (the
-// row blocks of in_proj_weight, or q/k/v_proj_weight) and W_o. Empty for the types and CPUs the
-// packed GEMM does not serve, whose frozen layers then project as the layer does.
+// The four projections' weights packed once: W_q, W_k, W_v (the row blocks of in_proj_weight,
+// or q/k/v_proj_weight) and W_o, as the fp32 packed GEMM's panels (kernels/prepacked_gemm.hpp;
+// float layers, on CPUs it serves) and as bf16 panels (kernels/bf16_projection.hpp; every type,
+// on CPUs with AVX512_BF16). Empty where not served: the frozen layer then projects as the
+// layer does.
 struct PackedProjections {
   PackedWeight query, key, value, output;
+  Bf16PackedWeight bf16_query, bf16_key, bf16_value, bf16_output;
 
   const PackedWeight& input(int which) const {
     return which == 0 ? query : which == 1 ? key : value;
+  }
+  const Bf16PackedWeight& bf16_input(int which) const {
+    return which == 0 ? bf16_query : which == 1 ? bf16_key : bf16_value;
   }
 
   template <class T>
   static PackedProjections pack(const LayerParameters<T>& parameters) {
     PackedProjections packed;
+    const auto& out_proj = parameters.values().out_proj_weight;
     if constexpr (std::is_same_v<T, float>) {
       packed.query = PackedWeight::pack(parameters.weight_rows(0));
       packed.key = PackedWeight::pack(parameters.weight_rows(1));
       packed.value = PackedWeight::pack(parameters.weight_rows(2));
-      packed.output = PackedWeight::pack(parameters.values().out_proj_weight.matrix());
+      packed.output = PackedWeight::pack(out_proj.matrix());
+    }
+    if (bf16_dot_available()) {
+      Bf16Lanes rounded;
+      const auto pack_bf16 = [&](const auto& weight, Bf16PackedWeight& into) {
+        pack_bf16_weight(weight.data(), weight.rows(), weight.cols(), weight.cols(), into, rounded);
+      };
+      pack_bf16(parameters.weight_rows(0), packed.bf16_query);
+      pack_bf16(parameters.weight_rows(1), packed.bf16_key);
+      pack_bf16(parameters.weight_rows(2), packed.bf16_value);
+      pack_bf16(out_proj.matrix(), packed.bf16_output);
     }
     return packed;
   }
 };
 
-// dst [rows, N] = lhs [rows, K] · Wᵀ, on W's packed panels when `packed` holds them (and the
-// product is not one of a few rows), else as product_transposed multiplies.
+// How one call's projections multiply: in fp32 by W or its packed panels (`packed`, a frozen
+// float layer's), or, with `bf16` set (Precision::bf16 on a CPU with AVX512_BF16), in bf16 by W's
+// bf16 panels: a frozen layer's (`bf16_packed`), else packed at the call into *bf16.
+struct ProjectionRoute {
+  const PackedWeight* packed = nullptr;
+  Bf16Scratch* bf16 = nullptr;
+  const Bf16PackedWeight* bf16_packed = nullptr;
+};
+
+// dst [rows, N] = lhs [rows, K] · Wᵀ as `route` says (else as product_transposed multiplies; on
+// fp32 panels only where the product is not one of a few rows).
 template <class Compute, class Stored>
 void project_rows(StridedMap<Compute> dst, ConstStridedMap<Compute> lhs,
-                  const Eigen::Map<const Matrix<Stored>>& weight, const PackedWeight* packed,
+                  const Eigen::Map<const Matrix<Stored>>& weight, const ProjectionRoute& route,
                   std::vector<KernelScratch<Compute>>& scratch) {
+  if constexpr (std::is_same_v<Compute, float>) {
+    if (route.bf16 != nullptr) {
+      const Bf16PackedWeight& packed =
+          route.bf16_packed != nullptr
+              ? *route.bf16_packed
+              : route.bf16->packed(weight.data(), weight.rows(), weight.cols());
+      bf16_projection(lhs.data(), lhs.rows(), lhs.outerStride(), packed, dst.data(),
+                      dst.outerStride(), false, route.bf16->rows);
+      return;
+    }
+  }
   if constexpr (std::is_same_v<Compute, float> && std::is_same_v<Stored, float>) {
-    if (packed != nullptr && runs_prepacked(*packed, dst.rows())) {
-      multiply_prepacked(dst, lhs, *packed);
+    if (route.packed != nullptr && runs_prepacked(*route.packed, dst.rows())) {
+      multiply_prepacked(dst, lhs, *route.packed);
       return;
     }
   }
@@ -90,15 +129,14 @@ void project_keys(const LayerParameters<T>& parameters,
                   const Eigen::Map<const Matrix<compute_t<T>>>& input, int which, Index batch,
                   Index key_len, Index total_keys, const Tensor<T>& extra_row,
                   Matrix<compute_t<T>>& projected,
-                  std::vector<KernelScratch<compute_t<T>>>& scratch,
-                  const PackedWeight* packed = nullptr) {
+                  std::vector<KernelScratch<compute_t<T>>>& scratch, const ProjectionRoute& route) {
   using Compute = compute_t<T>;
   const MultiHeadAttentionConfig& config = parameters.config();
   const Index width = input.cols();
   projected.resize(batch * total_keys, parameters.kv_dim());
   const auto weight = parameters.weight_rows(which);
   if (total_keys == key_len) {  // no extra rows: one GEMM over every batch
-    project_rows<Compute>(strided(projected), const_strided(input), weight, packed, scratch);
+    project_rows<Compute>(strided(projected), const_strided(input), weight, route, scratch);
     add_bias(parameters, projected, which);
     return;
   }
@@ -106,7 +144,7 @@ void project_keys(const LayerParameters<T>& parameters,
     auto rows = projected.middleRows(b * total_keys, key_len);
     const Eigen::Map<const Matrix<Compute>> input_rows(input.data() + b * key_len * width, key_len,
                                                        width);
-    project_rows<Compute>(strided(rows), const_strided(input_rows), weight, packed, scratch);
+    project_rows<Compute>(strided(rows), const_strided(input_rows), weight, route, scratch);
     add_bias(parameters, rows, which);
     Index next = b * total_keys + key_len;
     if (config.add_bias_kv) {
@@ -165,12 +203,12 @@ template <class T>
 void project_output(const LayerParameters<T>& parameters, const Matrix<compute_t<T>>& heads_output,
                     Tensor<T>& output, Matrix<compute_t<T>>& buffer,
                     std::vector<KernelScratch<compute_t<T>>>& scratch,
-                    const PackedWeight* packed = nullptr) {
+                    const ProjectionRoute& route = {}) {
   using Compute = compute_t<T>;
   const ParameterSet<T>& values = parameters.values();
   const auto project = [&](auto&& rows) {
     project_rows<Compute>(strided(rows), const_strided(heads_output),
-                          values.out_proj_weight.matrix(), packed, scratch);
+                          values.out_proj_weight.matrix(), route, scratch);
     if (parameters.config().bias) {
       rows.rowwise() += values.out_proj_bias.flat().transpose().template cast<Compute>();
     }

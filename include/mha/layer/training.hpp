@@ -76,6 +76,11 @@ void forward_train(LayerParameters<T>& parameters, const void* layer, Random& dr
                    SavedState<T>& saved, ForwardResult<T>& result) {
   const MultiHeadAttentionConfig& config = parameters.config();
   saved.layer = nullptr;  // unusable until this call succeeds
+  if (options.precision != Precision::fp32) {
+    throw_argument("precision", std::string("forward_train computes in fp32; got ") +
+                                    precision_name(options.precision) +
+                                    " (bf16 arithmetic is for forward)");
+  }
   const ForwardPlan plan = plan_forward(parameters, query, key, value, options);
   saved.options = options;  // the masks too: core's layouts point into this copy
   CoreOptions<T> core = core_options(parameters, plan, saved.options);

@@ -1,0 +1,279 @@
+// Precision::bf16 (ForwardOptions::precision): the projections' and the flash kernel's products
+// with operands rounded to bf16 and sums in fp32, against a float64 layer holding the same
+// weights and reading the same inputs: at most 1e-2 of the float64 output's largest magnitude
+// (issue 18's bound), on the cases that reach each of the bf16 code's branches (key blocks that
+// start off a panel or a pair, odd head widths and key counts, the extra key rows, grouped
+// heads, the fp32 paths bf16 leaves alone); the same bits frozen and unfrozen and on any number
+// of threads; fp32 where the CPU lacks AVX512_BF16; and the calls that refuse it.
+#include <cmath>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "helpers.hpp"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+using mha::ForwardOptions;
+using mha::Index;
+using mha::MultiHeadAttention;
+using mha::MultiHeadAttentionConfig;
+using mha::Precision;
+using mha::Shape;
+using mha::Tensor;
+
+namespace {
+
+// max |actual - expected| / max |expected|.
+template <class T>
+double error_of_largest(const Tensor<T>& actual, const Tensor<double>& expected) {
+  REQUIRE(actual.shape() == expected.shape());
+  const Tensor<double> widened = mha::tensor_cast<double>(actual);
+  REQUIRE(widened.flat().allFinite());
+  const double scale = expected.flat().cwiseAbs().maxCoeff();
+  REQUIRE(scale > 0);
+  return (widened.flat() - expected.flat()).cwiseAbs().maxCoeff() / scale;
+}
+
+template <class To, class From>
+MultiHeadAttention<To> converted(const MultiHeadAttention<From>& layer) {
+  MultiHeadAttention<To> result(layer.config());
+  for (const auto& entry : layer.state_dict()) {
+    result.set_parameter(entry.first, mha::tensor_cast<To>(entry.second).view());
+  }
+  return result;
+}
+
+struct Case {
+  std::string name;
+  MultiHeadAttentionConfig config;
+  Shape query_shape, key_shape;  // key_shape empty: self-attention
+  std::function<void(ForwardOptions<double>&)> options;
+  // What the flash kernel runs for these heads under bf16 (where the CPU has it).
+  mha::detail::FlashPath flash_path = mha::detail::FlashPath::bf16_panels;
+};
+
+std::vector<Case> cases() {
+  using mha::detail::FlashPath;
+  std::vector<Case> all;
+  const auto config = [](Index embed, Index heads) {
+    MultiHeadAttentionConfig c(embed, heads);
+    c.seed = static_cast<std::uint64_t>(embed + heads);
+    return c;
+  };
+  all.push_back({"self-attention, D = 32, L = 300 (several query and key blocks)",
+                 config(128, 4),
+                 {2, 300, 128},
+                 {},
+                 [](auto&) {}});
+  all.push_back({"causal with a key padding mask, D = 48",
+                 config(96, 2),
+                 {2, 100, 96},
+                 {},
+                 [](auto& options) {
+                   options.is_causal = true;
+                   Tensor<bool> padding({2, 100});
+                   for (Index j = 0; j < 100; ++j) {
+                     padding.data()[j] = j >= 90;
+                     padding.data()[100 + j] = j % 7 == 3;
+                   }
+                   options.key_padding_mask = mha::Mask<double>::blocked_where_true(padding);
+                 }});
+  all.push_back({"a window whose key blocks start off the panels and pairs",
+                 config(64, 2),
+                 {1, 300, 64},
+                 {},
+                 [](auto& options) {
+                   options.window = {37, 5};
+                 }});
+  {
+    MultiHeadAttentionConfig c = config(64, 2);
+    c.head_dim = 33;  // odd: the products' depth ends in half a pair
+    all.push_back({"D = 33", c, {2, 40, 64}, {}, [](auto&) {}});
+  }
+  {
+    MultiHeadAttentionConfig c = config(64, 2);
+    c.kdim = 40;
+    c.vdim = 24;
+    c.add_bias_kv = true;
+    c.add_zero_attn = true;
+    all.push_back({"cross-attention over 77 keys with bias_k and the zero key",
+                   c,
+                   {2, 33, 64},
+                   {2, 77, 0},
+                   [](auto&) {}});
+  }
+  {
+    MultiHeadAttentionConfig c = config(256, 8);
+    c.num_kv_heads = 2;
+    all.push_back({"grouped-query heads", c, {1, 64, 256}, {}, [](auto& options) {
+                     options.is_causal = true;
+                   }});
+  }
+  all.push_back({"D = 16: the small-head kernel, in fp32",
+                 config(64, 4),
+                 {2, 64, 64},
+                 {},
+                 [](auto&) {},
+                 FlashPath::small_head});
+  all.push_back(
+      {"L = 8: the fp32 tiles", config(64, 2), {3, 8, 64}, {}, [](auto&) {}, FlashPath::tiles});
+  all.push_back({"weights returned: the reference kernel, in fp32",
+                 config(64, 2),
+                 {2, 30, 64},
+                 {},
+                 [](auto& options) {
+                   options.need_weights = true;
+                   options.average_attn_weights = false;
+                 }});
+  return all;
+}
+
+// The case's options in float (its masks converted), with `precision`.
+ForwardOptions<float> float_options(const ForwardOptions<double>& wide, Precision precision) {
+  ForwardOptions<float> options;
+  if (!wide.key_padding_mask.empty()) {
+    options.key_padding_mask =
+        mha::Mask<float>::blocked_where_true(wide.key_padding_mask.booleans());
+  }
+  options.need_weights = wide.need_weights;
+  options.average_attn_weights = wide.average_attn_weights;
+  options.is_causal = wide.is_causal;
+  options.window = wide.window;
+  options.precision = precision;
+  return options;
+}
+
+}  // namespace
+
+TEST_CASE("bf16 arithmetic stays within 1e-2 of float64, on every branch of its code",
+          "[precision]") {
+  const bool available = mha::bf16_arithmetic_available();
+  if (!available) WARN("this CPU lacks AVX512_BF16: Precision::bf16 computes in fp32 here");
+  for (const Case& c : cases()) {
+    INFO(c.name);
+    // PyTorch's initialisation: logits of order 1. (With normal(0, 0.5) weights, logits of order
+    // 100, a score's rounding error of |s| · 2^-8 moves the softmax itself: 1.3-6.4e-2 measured,
+    // as the Precision comment says.)
+    MultiHeadAttention<double> wide(c.config);
+    const MultiHeadAttention<float> layer = converted<float>(wide);
+    wide = converted<double>(layer);  // the same numbers in both
+    const Shape key_shape = c.key_shape.empty()
+                                ? c.query_shape
+                                : Shape{c.key_shape[0], c.key_shape[1], layer.config().kdim};
+    const Shape value_shape{key_shape[0], key_shape[1], layer.config().vdim};
+    const auto query = mha_test::random_tensor<float>(c.query_shape, 11);
+    const auto key = c.key_shape.empty() ? query : mha_test::random_tensor<float>(key_shape, 12);
+    const auto value =
+        c.key_shape.empty() ? query : mha_test::random_tensor<float>(value_shape, 13);
+    ForwardOptions<double> wide_options;
+    wide_options.need_weights = false;
+    c.options(wide_options);
+    const auto expected =
+        wide.forward(mha::tensor_cast<double>(query), mha::tensor_cast<double>(key),
+                     mha::tensor_cast<double>(value), wide_options);
+    const auto fp32 =
+        layer.forward(query, key, value, float_options(wide_options, Precision::fp32));
+    const auto bf16 =
+        layer.forward(query, key, value, float_options(wide_options, Precision::bf16));
+    const double fp32_error = error_of_largest(fp32.output, expected.output);
+    const double bf16_error = error_of_largest(bf16.output, expected.output);
+    INFO("fp32 error " << fp32_error << ", bf16 error " << bf16_error);
+    CHECK(bf16_error <= 1e-2);
+    if (available) {
+      // bf16 ran: its rounding (a relative 2^-9 per operand) is far above fp32's.
+      CHECK(bf16_error > 100 * fp32_error);
+      if (wide_options.need_weights) {
+        // The weights come from the reference kernel's fp32 products of bf16 projections.
+        CHECK(error_of_largest(bf16.attn_weights, expected.attn_weights) <= 1e-2);
+      }
+    } else {
+      CHECK(bf16.output.flat() == fp32.output.flat());
+    }
+    // The path the case is meant to reach.
+    mha::detail::CoreOptions<float> core;
+    core.bf16_products = available;
+    const Index query_len = c.query_shape[1];
+    const auto path =
+        mha::detail::flash_path<float>(layer.head_dim(), layer.head_dim(), query_len, core, {});
+    if (available && !wide_options.need_weights) CHECK(path == c.flash_path);
+  }
+}
+
+TEST_CASE("bf16 arithmetic gives the same bits frozen and unfrozen, on any number of threads",
+          "[precision]") {
+  MultiHeadAttentionConfig config(128, 4);
+  config.seed = 21;
+  MultiHeadAttention<float> layer(config);
+  mha_test::randomise(layer, 21);
+  const auto x = mha_test::random_tensor<float>({2, 200, 128}, 22);
+  const auto key = mha_test::random_tensor<float>({2, 150, 128}, 23);
+  ForwardOptions<float> options;
+  options.need_weights = false;
+  options.is_causal = true;
+  options.precision = Precision::bf16;
+  const mha::FrozenMultiHeadAttention<float> frozen(layer);
+  for (const bool self_attention : {true, false}) {
+    INFO((self_attention ? "self-attention (one fused projection)" : "cross-attention"));
+    const auto& k = self_attention ? x : key;
+    const auto unfrozen = layer.forward(x, k, k, options);
+    CHECK(frozen.forward(x, k, k, options).output.flat() == unfrozen.output.flat());
+#ifdef _OPENMP
+    const int threads_before = omp_get_max_threads();
+    omp_set_num_threads(1);
+    const auto one = layer.forward(x, k, k, options);
+    omp_set_num_threads(3);
+    const auto three = layer.forward(x, k, k, options);
+    omp_set_num_threads(threads_before);
+    CHECK(one.output.flat() == unfrozen.output.flat());
+    CHECK(three.output.flat() == unfrozen.output.flat());
+#endif
+  }
+}
+
+TEST_CASE("16-bit layers compute in bf16 too, within 1e-2 of float64", "[precision]") {
+  MultiHeadAttentionConfig config(128, 2);
+  config.seed = 31;
+  const MultiHeadAttention<double> wide(config);
+  const auto check = [&](auto zero) {
+    using T16 = decltype(zero);
+    const MultiHeadAttention<T16> narrow = converted<T16>(wide);
+    const MultiHeadAttention<double> same = converted<double>(narrow);
+    const auto x = mha::tensor_cast<T16>(mha_test::random_tensor<double>({2, 96, 128}, 32));
+    ForwardOptions<double> wide_options;
+    wide_options.need_weights = false;
+    ForwardOptions<T16> options;
+    options.need_weights = false;
+    options.precision = Precision::bf16;
+    const auto expected = same.forward(mha::tensor_cast<double>(x), wide_options);
+    CHECK(error_of_largest(narrow.forward(x, options).output, expected.output) <= 1e-2);
+    const mha::FrozenMultiHeadAttention<T16> frozen(narrow);
+    CHECK(frozen.forward(x, options).output.flat() == narrow.forward(x, options).output.flat());
+  };
+  SECTION("bfloat16") {
+    check(Eigen::bfloat16(0));
+  }
+  SECTION("half") {
+    check(Eigen::half(0));
+  }
+}
+
+TEST_CASE("forward_train and decode refuse bf16 arithmetic, naming the option", "[precision]") {
+  const MultiHeadAttention<float> layer(MultiHeadAttentionConfig(32, 2));
+  const auto x = mha_test::random_tensor<float>({1, 4, 32}, 41);
+  ForwardOptions<float> options;
+  options.need_weights = false;
+  options.precision = Precision::bf16;
+  mha::SavedForward<float> saved;
+  MultiHeadAttention<float> trained = layer;
+  CHECK(mha_test::contains(mha_test::message_of<std::invalid_argument>(
+                               [&] { trained.forward_train(x, options, saved); }),
+                           "precision"));
+  auto cache = layer.make_kv_cache(1, 8);
+  CHECK(mha_test::contains(
+      mha_test::message_of<std::invalid_argument>([&] { layer.decode(x, cache, options); }),
+      "precision"));
+  CHECK(cache.length(0) == 0);  // nothing changed
+}
