@@ -8,7 +8,8 @@ Usage (Debian's python3-torch, so /usr/bin/python3, not the python3 first on PAT
         [--mode forward|train] [--threads 2] [--kernel auto] [--sweep heads|length|default] \
         [--repeats 5] [--rounds 2] [--json out.json] [--max-seconds-per-config 20] \
         [--max-length N] [--config B,L,E,H ...] [--no-torch-memory] \
-        [--max-foreign-load 0.1] [--retries N] [--busy-pause 60]
+        [--max-foreign-load 0.1] [--retries N] [--busy-pause 60] \
+        [--mha-prefix forward_bf16] [--torch-autocast none|bf16]
 
 Sweeps (self-attention, L = S):
     default  (B,L,E,H) = (1,128,768,12) (8,128,512,8) (1,1024,512,8) (1,2048,512,8) (1,4096,512,8)
@@ -19,6 +20,9 @@ Sweeps (self-attention, L = S):
 For each configuration, in --rounds rounds, alternately (so both sides see the same machine load):
   * torch, --mode forward (the default): nn.MultiheadAttention(E, H, batch_first=True).eval(),
     torch.inference_mode(), need_weights=False, fp32 randn input (x, x, x).
+    --torch-autocast bf16: the same layer's forward under torch.autocast("cpu",
+    dtype=torch.bfloat16) and no_grad, in train mode with dropout 0, since torch 1.13's
+    inference fast path fails under CPU autocast; its products then run in bf16.
     --mode train: the same layer in train mode (dropout 0), x requiring grad, a fixed randn
     grad_output g; one call is `out, _ = layer(x, x, x, need_weights=False); out.backward(g)`,
     and the gradients are zeroed before each call, outside the timing, keeping their buffers
@@ -28,7 +32,8 @@ For each configuration, in --rounds rounds, alternately (so both sides see the s
     all timed calls.
   * mha: `mha_bench --benchmark_filter=^<mode>/<kernel>/B:<b>/L:<l>/E:<e>/H:<h>$
     --benchmark_repetitions=<repeats> --benchmark_report_aggregates_only=true
-    --benchmark_format=json` in a child with OMP_NUM_THREADS=<threads>. Reported: the median over
+    --benchmark_format=json` in a child with OMP_NUM_THREADS=<threads>; --mha-prefix replaces
+    <mode> in the name (forward_bf16 for Precision::bf16, forward_bf16_frozen). Reported: the median over
     rounds of the "median" aggregate's real_time. train/<kernel> times forward_train + backward
     with zero_grad outside the timing (see bench/mha_bench.cpp).
 GFLOP/s use FLOPs = B·(8·L·E² + 4·L²·E) on both sides, three times that in train mode (the usual
@@ -375,18 +380,30 @@ class MhaBench:
 
 
 class TorchSide:
-    def __init__(self, torch, b, l, e, h, seed):
+    def __init__(self, torch, b, l, e, h, seed, autocast="none"):
         self.torch = torch
+        self.autocast = autocast
         torch.manual_seed(seed)
         self.layer = torch.nn.MultiheadAttention(e, h, batch_first=True).eval()
+        if autocast == "bf16":
+            # torch 1.13's inference fast path (torch._native_multi_head_attention) fails under CPU
+            # autocast ("expected scalar type BFloat16 but found Float"); the layer in train mode
+            # with dropout 0 under no_grad takes the composite path, which autocast runs in bf16.
+            self.layer.train()
         self.x = torch.randn(b, l, e, dtype=torch.float32)
 
     def call_seconds(self):
         torch = self.torch
-        with torch.inference_mode():
-            start = time.perf_counter()
-            out, _ = self.layer(self.x, self.x, self.x, need_weights=False)
-            elapsed = time.perf_counter() - start
+        if self.autocast == "bf16":
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                start = time.perf_counter()
+                out, _ = self.layer(self.x, self.x, self.x, need_weights=False)
+                elapsed = time.perf_counter() - start
+        else:
+            with torch.inference_mode():
+                start = time.perf_counter()
+                out, _ = self.layer(self.x, self.x, self.x, need_weights=False)
+                elapsed = time.perf_counter() - start
         del out
         return elapsed
 
@@ -516,7 +533,7 @@ def predicted_seconds(history, b, l, e, h):
 def measure(args, config, bench, torch, history):
     b, l, e, h = config
     train = args.mode == "train"
-    name = bench_name(args.mode, args.kernel, b, l, e, h)
+    name = bench_name(args.mha_prefix or args.mode, args.kernel, b, l, e, h)
     row = {"B": b, "L": l, "E": e, "H": h, "flops": step_flops(args.mode, b, l, e),
            "benchmark": name, "torch_ms": None, "mha_ms": None, "ratio": None,
            "torch_gflops": None, "mha_gflops": None, "mha_bench_gflops": None,
@@ -546,8 +563,10 @@ def measure(args, config, bench, torch, history):
                                    f"{args.max_seconds_per_config:g} s")
         else:
             try:
-                side = TorchTrainSide if train else TorchSide
-                torch_side = side(torch, b, l, e, h, args.seed)
+                if train:
+                    torch_side = TorchTrainSide(torch, b, l, e, h, args.seed)
+                else:
+                    torch_side = TorchSide(torch, b, l, e, h, args.seed, args.torch_autocast)
                 warmup = torch_side.call_seconds()
                 if warmup > args.max_seconds_per_config:
                     row["torch_status"] = "skipped (time)"
@@ -637,6 +656,12 @@ def main():
     parser.add_argument("--mode", choices=["forward", "train"], default="forward",
                         help="time the forward pass, or a training step (forward + backward)")
     parser.add_argument("--kernel", default="auto", help="mha_bench kernel: reference, flash, auto")
+    parser.add_argument("--mha-prefix",
+                        help="mha_bench benchmark to time instead of <mode>/<kernel>/...: "
+                             "<prefix>/<kernel>/..., e.g. forward_bf16 or forward_bf16_frozen")
+    parser.add_argument("--torch-autocast", choices=["none", "bf16"], default="none",
+                        help="forward mode: run torch's forward under "
+                             "torch.autocast('cpu', dtype=torch.bfloat16)")
     parser.add_argument("--sweep", choices=["default", "heads", "length"], default="default")
     parser.add_argument("--config", type=parse_config, action="append", metavar="B,L,E,H",
                         help="measure these configurations instead of the sweep (repeatable)")
@@ -675,6 +700,10 @@ def main():
     args = parser.parse_args()
     if args.threads < 1 or args.repeats < 1 or args.rounds < 1:
         parser.error("--threads, --repeats and --rounds must be at least 1")
+    if args.torch_autocast != "none" and args.mode == "train":
+        parser.error("--torch-autocast is for --mode forward")
+    if args.mha_prefix is not None and not re.fullmatch(r"[A-Za-z0-9_]+", args.mha_prefix):
+        parser.error(f"--mha-prefix must be a plain name, got {args.mha_prefix!r}")
     if args.retries < 0:
         parser.error("--retries must not be negative")
     if not re.fullmatch(r"[A-Za-z0-9_.\-]+", args.kernel):
@@ -718,6 +747,8 @@ def main():
     meta = {
         "sweep": "custom" if args.config else args.sweep,
         "mode": args.mode,
+        "mha_prefix": args.mha_prefix,
+        "torch_autocast": args.torch_autocast,
         "kernel": args.kernel,
         "threads": args.threads,
         "repeats": args.repeats,

@@ -323,13 +323,21 @@ void train(benchmark::State& state, mha::Kernel kernel) {
   set_flops(state, wall, 3 * static_cast<double>(B) * (8 * n * e * e + 4 * n * n * e));
 }
 
-void sdpa(benchmark::State& state, mha::Kernel kernel) {
+// The attention core alone (scaled_dot_product_attention over [B, H, L, D] inputs, no
+// projections); sdpa_bf16/: with Precision::bf16, against sdpa/flash of the same run.
+void sdpa(benchmark::State& state, mha::Kernel kernel,
+          mha::Precision precision = mha::Precision::fp32) {
   const mha::Index B = state.range(0), L = state.range(1), E = state.range(2), H = state.range(3);
   const mha::Index D = E / H;
+  if (precision == mha::Precision::bf16 && !mha::bf16_arithmetic_available()) {
+    state.SkipWithError("this CPU lacks AVX512_BF16");
+    return;
+  }
   const auto q = random_tensor({B, H, L, D}, 1), k = random_tensor({B, H, L, D}, 2),
              v = random_tensor({B, H, L, D}, 3);
   mha::AttentionOptions<float> options;
   options.kernel = kernel;
+  options.precision = precision;
   report_peak_memory(state, [&] {
     benchmark::DoNotOptimize(mha::scaled_dot_product_attention(q, k, v, options));
   });
@@ -340,6 +348,10 @@ void sdpa(benchmark::State& state, mha::Kernel kernel) {
   }
   const double n = static_cast<double>(L), e = static_cast<double>(E);
   set_flops(state, wall, static_cast<double>(B) * 4 * n * n * e);
+  if (precision == mha::Precision::bf16) {
+    state.counters["of_bf16_peak"] =
+        state.counters["GFLOPS"] / std::max(mha_bench::ceilings().bf16_gflops, 1e-9);
+  }
 }
 
 // The flash kernel's two paths for small heads, the attention core alone (mha::detail): the GEMM
@@ -1081,6 +1093,9 @@ BENCHMARK_CAPTURE(sdpa, reference, mha::Kernel::reference)
     ->Name("sdpa/reference")
     ->Apply(default_shapes);
 BENCHMARK_CAPTURE(sdpa, flash, mha::Kernel::flash)->Name("sdpa/flash")->Apply(default_shapes);
+BENCHMARK_CAPTURE(sdpa, flash_bf16, mha::Kernel::flash, mha::Precision::bf16)
+    ->Name("sdpa_bf16/flash")
+    ->Apply(bf16_shapes);
 BENCHMARK_CAPTURE(small_heads, gemm_tiles, false)
     ->Name("small_heads/gemm_tiles")
     ->ArgName("L")

@@ -100,6 +100,31 @@ TEST_CASE("mha_run reproduces PyTorch on a fixture, end to end", "[mha_run]") {
   }
 }
 
+TEST_CASE("mha_run computes in bf16 with metadata precision = bf16", "[mha_run]") {
+  // A fixture of torch's, with bf16 arithmetic: the output within 1e-2 of torch's largest (the
+  // bound test_precision.cpp checks against float64), and not torch's fp32 bits where the CPU
+  // computes in bf16.
+  const fs::path dir = scratch_dir();
+  auto in = mha::io::read_safetensors(
+      fixture("gqa_f32_kv2_kdim_vdim_bias_kv_zero_attn_per_head.in.safetensors"));
+  in.metadata["precision"] = "bf16";
+  mha::io::write_safetensors((dir / "bf16.safetensors").string(), in);
+  const Run run = run_tool("'" + (dir / "bf16.safetensors").string() + "' '" +
+                           (dir / "out.safetensors").string() + "'");
+  REQUIRE(run.exit_code == 0);
+  const auto actual = mha::io::read_safetensors((dir / "out.safetensors").string());
+  const auto expected = mha::io::read_safetensors(
+      fixture("gqa_f32_kv2_kdim_vdim_bias_kv_zero_attn_per_head.expected.safetensors"));
+  const auto output = mha::io::to_tensor<float>(actual.at("output"), "output");
+  const auto torch = mha::io::to_tensor<float>(expected.at("output"), "output");
+  REQUIRE(output.shape() == torch.shape());
+  const double scale = torch.flat().cwiseAbs().maxCoeff();
+  const double error = (output.flat() - torch.flat()).cwiseAbs().maxCoeff();
+  INFO("error " << error / scale << " of the largest output");
+  CHECK(error <= 1e-2 * scale);
+  if (mha::bf16_arithmetic_available()) CHECK(error > 1e-4 * scale);
+}
+
 namespace {
 
 // Gradients are compared as in test_reference.cpp: |a - e| <= rtol * (max|e| + |e|), rtol 1e-5 in
@@ -388,6 +413,13 @@ TEST_CASE("mha_run refuses bad input with exit code 1 and one line", "[mha_run][
   file = original;
   file.metadata["kernel"] = "flash";  // with need_weights = 1
   refused_with(file, "flash does not return attention weights");
+  file = original;
+  file.metadata["precision"] = "fp16";
+  refused_with(file, "metadata 'precision': expected \"fp32\" or \"bf16\", got \"fp16\"");
+  file = original;
+  file.metadata["precision"] = "bf16";
+  file.tensors["grad_output"] = file.tensors.at("query");
+  refused_with(file, "precision");
   file = original;
   file.tensors["surprise"] = mha::io::from_tensor(mha::Tensor<float>({2}));
   refused_with(file, "unexpected tensor 'surprise'");

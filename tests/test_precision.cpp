@@ -260,6 +260,35 @@ TEST_CASE("16-bit layers compute in bf16 too, within 1e-2 of float64", "[precisi
   }
 }
 
+TEST_CASE("scaled_dot_product_attention in bf16 stays within 1e-2 of float64", "[precision]") {
+  // Causal, grouped heads, D = 40 (20 pairs), 333 keys (an odd last block): q kᵀ and P v as bf16
+  // tiles; the backward refuses bf16.
+  const auto q = mha_test::random_tensor<double>({2, 4, 333, 40}, 51);
+  const auto k = mha_test::random_tensor<double>({2, 2, 333, 40}, 52);
+  const auto v = mha_test::random_tensor<double>({2, 2, 333, 40}, 53);
+  mha::AttentionOptions<double> wide;
+  wide.causal = mha::Causal::top_left;
+  wide.enable_gqa = true;
+  mha::AttentionOptions<float> options;
+  options.causal = mha::Causal::top_left;
+  options.enable_gqa = true;
+  options.precision = Precision::bf16;
+  const auto expected = mha::scaled_dot_product_attention(q, k, v, wide);
+  const auto qf = mha::tensor_cast<float>(q), kf = mha::tensor_cast<float>(k),
+             vf = mha::tensor_cast<float>(v);
+  const auto actual = mha::scaled_dot_product_attention(qf, kf, vf, options);
+  const double error = error_of_largest(actual.output, expected.output);
+  INFO("bf16 error " << error);
+  CHECK(error <= 1e-2);
+  if (mha::bf16_arithmetic_available()) CHECK(error > 1e-5);
+  CHECK(mha_test::contains(mha_test::message_of<std::invalid_argument>([&] {
+                             mha::scaled_dot_product_attention_backward(
+                                 qf.view(), kf.view(), vf.view(), actual, actual.output.view(),
+                                 options);
+                           }),
+                           "precision"));
+}
+
 TEST_CASE("forward_train and decode refuse bf16 arithmetic, naming the option", "[precision]") {
   const MultiHeadAttention<float> layer(MultiHeadAttentionConfig(32, 2));
   const auto x = mha_test::random_tensor<float>({1, 4, 32}, 41);

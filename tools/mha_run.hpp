@@ -47,7 +47,10 @@ IN holds:
     need_weights (default 1), average_attn_weights (default 1), is_causal (default 0: when 1, the
     top-left causal mask, key j > query i blocked, is applied on top of any attn_mask);
     kernel: auto (default: flash without weights, reference with), reference or flash
-    (flash cannot return weights, so it needs need_weights "0").
+    (flash cannot return weights, so it needs need_weights "0");
+    precision: fp32 (default) or bf16: the projections and the flash kernel's products with
+    operands rounded to bf16 and fp32 sums, softmax in fp32 (within about 1e-2 of the largest
+    output; fp32 where the CPU lacks AVX512_BF16); without grad_output only.
   Modern attention options in __metadata__, each optional; c below is the position key j is
   compared with: c = i (query i) with causal_alignment top_left, c = i + S - L with bottom_right.
   They apply to the S input keys only: the bias_k and zero-attention columns are never blocked by

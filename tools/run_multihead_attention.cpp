@@ -40,6 +40,14 @@ Kernel kernel(const io::SafetensorsFile& file) {
                    it->second + "\"");
 }
 
+Precision precision(const io::SafetensorsFile& file) {
+  const auto it = file.metadata.find("precision");
+  if (it == file.metadata.end() || it->second == "fp32") return Precision::fp32;
+  if (it->second == "bf16") return Precision::bf16;
+  throw ShapeError("metadata 'precision': expected \"fp32\" or \"bf16\", got \"" + it->second +
+                   "\"");
+}
+
 // A positive integer under `key`, or 0 when the key is absent and not required.
 Index positive_integer(const io::SafetensorsFile& file, const std::string& key, bool required) {
   const auto it = file.metadata.find(key);
@@ -272,6 +280,7 @@ io::SafetensorsFile run_as(const io::SafetensorsFile& in) {
   options.rope = rope(in);
   options.head_gate = head_mask<T>(in, layer.num_heads());
   options.kernel = kernel(in);
+  options.precision = precision(in);
   options.key_padding_mask = read_mask<T>(in, "key_padding_mask");
   options.attn_mask = read_mask<T>(in, "attn_mask");
   const Tensor<T> query = read_input<T>(in, "query");

@@ -244,6 +244,9 @@ struct AttentionOptions {
   std::optional<T> scale;
   bool need_weights = false;
   Kernel kernel = Kernel::automatic;
+  // The flash kernel's products in bf16 with fp32 sums (see Precision; the reference kernel and
+  // the small-head kernel, D <= 16, keep fp32). The backward refuses bf16.
+  Precision precision = Precision::fp32;
   // SDPA's dropout_p, applied to the weights whenever it is > 0; the same seed drops the same
   // weights in both kernels and in the backward.
   double dropout = 0;
@@ -356,6 +359,7 @@ AttentionProblem<T> attention_problem(const TensorView<const T>& query,
   core.softcap = checked_softcap(options.softcap);
   core.dropout = {options.dropout, options.dropout_seed, problem.heads, problem.query_len,
                   problem.key_len};
+  core.bf16_products = options.precision == Precision::bf16 && bf16_arithmetic_available();
   return problem;
 }
 
@@ -402,6 +406,10 @@ AttentionGradients<T> scaled_dot_product_attention_backward(
     TensorView<const T> query, TensorView<const T> key, TensorView<const T> value,
     const AttentionResult<T>& result, TensorView<const T> grad_output,
     const AttentionOptions<T>& options = {}) {
+  if (options.precision != Precision::fp32) {
+    detail::throw_argument("precision", std::string("the backward computes in fp32; got ") +
+                                            precision_name(options.precision));
+  }
   const auto problem = detail::attention_problem(query, key, value, options);
   const Index query_len = problem.query_len, key_len = problem.key_len;
   const Shape output_shape = problem.shape(query_len, problem.value_dim);
