@@ -556,15 +556,28 @@ void precision_decode(benchmark::State& state) {
 // tokens_per_second counts B tokens per step. A step reads every weight once (W_q and W_o are
 // E², W_k and W_v H_kv·D·E each) and the cached keys and values (2·context·H_kv·D per sequence):
 // grouped-query attention shrinks both, and the cache's share grows with the context.
-void decode(benchmark::State& state) {
+// decode_bf16_frozen/: the same step through a FrozenMultiHeadAttention with Precision::bf16,
+// its projections on bf16 panels packed once (half the weights' bytes; the attention over the
+// cache in fp32); the prompt is filled in fp32.
+// decode_int8_frozen/: through a FrozenMultiHeadAttention with FrozenWeights::int8, the steps'
+// projections reading int8 weights (a quarter of the bytes). bytes_per_weight: what a step reads
+// of each weight.
+template <class Layer = mha::MultiHeadAttention<float>>
+void decode_step(benchmark::State& state, mha::Precision precision = mha::Precision::fp32,
+                 double bytes_per_weight = 4.0) {
   const mha::Index B = state.range(0), kv_heads = state.range(1), context = state.range(2);
   const mha::Index E = 2048, H = 16;
+  if (precision == mha::Precision::bf16 && !mha::bf16_arithmetic_available()) {
+    state.SkipWithError("this CPU lacks AVX512_BF16");
+    return;
+  }
   mha::MultiHeadAttentionConfig config(E, H);
   config.num_kv_heads = kv_heads;
-  const mha::MultiHeadAttention<float> layer(config);
-  auto cache = layer.make_kv_cache(B, context + 1);
-  const auto options = mha::MultiHeadAttention<float>::decode_options();
+  const Layer layer{mha::MultiHeadAttention<float>(config)};
+  mha::KVCache<float> cache(B, kv_heads, E / H, context + 1);
+  auto options = mha::MultiHeadAttention<float>::decode_options();
   layer.decode(random_tensor({B, context, E}, 1), cache, options);  // the prompt, untimed
+  options.precision = precision;
   const auto token = random_tensor({B, 1, E}, 2);
   const WallClock wall;
   for (auto _ : state) {
@@ -575,11 +588,26 @@ void decode(benchmark::State& state) {
   state.counters["tokens_per_second"] = per_second(state, wall, static_cast<double>(B));
   const double d = static_cast<double>(E / H), e = static_cast<double>(E);
   const double kv = static_cast<double>(kv_heads) * d;
-  const double weight_bytes = 4.0 * (2 * e * e + 2 * kv * e);
+  const double weight_bytes = bytes_per_weight * (2 * e * e + 2 * kv * e);
   const double cache_bytes = 4.0 * static_cast<double>(B) * 2 * static_cast<double>(context) * kv;
   state.counters["weights_MiB"] = weight_bytes / (1024.0 * 1024.0);
   state.counters["cache_MiB"] = cache_bytes / (1024.0 * 1024.0);
   set_bytes_read(state, wall, weight_bytes + cache_bytes);
+}
+
+void decode(benchmark::State& state) {
+  decode_step(state);
+}
+void decode_bf16_frozen(benchmark::State& state) {
+  decode_step<mha::FrozenMultiHeadAttention<float>>(state, mha::Precision::bf16, 2.0);
+}
+// A FrozenMultiHeadAttention<float> made with FrozenWeights::int8.
+struct Int8Frozen : mha::FrozenMultiHeadAttention<float> {
+  explicit Int8Frozen(const mha::MultiHeadAttention<float>& layer)
+      : mha::FrozenMultiHeadAttention<float>(layer, mha::FrozenWeights::int8) {}
+};
+void decode_int8_frozen(benchmark::State& state) {
+  decode_step<Int8Frozen>(state, mha::Precision::fp32, 1.0);
 }
 
 // The attention of one decoding step alone (mha::detail), at sizes whose caches a prompt could not
@@ -1137,6 +1165,16 @@ BENCHMARK(decode)
     ->Name("decode")
     ->ArgNames({"B", "H_kv", "context"})
     ->ArgsProduct({{1, 8}, {16, 8, 4, 2, 1}, {16, 2048}})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(decode_bf16_frozen)
+    ->Name("decode_bf16_frozen")
+    ->ArgNames({"B", "H_kv", "context"})
+    ->ArgsProduct({{1, 8}, {16}, {16, 2048}})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(decode_int8_frozen)
+    ->Name("decode_int8_frozen")
+    ->ArgNames({"B", "H_kv", "context"})
+    ->ArgsProduct({{1, 8}, {16}, {16, 2048}})
     ->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(decode_attention, batched, DecodeRun::batched)
     ->Name("decode_attention/batched")

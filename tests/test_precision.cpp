@@ -1,12 +1,15 @@
-// Precision::bf16 (ForwardOptions::precision): the projections' and the flash kernel's products
-// with operands rounded to bf16 and sums in fp32, against a float64 layer holding the same
-// weights and reading the same inputs: at most 1e-2 of the float64 output's largest magnitude
-// (issue 18's bound), on the cases that reach each of the bf16 code's branches (key blocks that
-// start off a panel or a pair, odd head widths and key counts, the extra key rows, grouped
-// heads, the fp32 paths bf16 leaves alone); the same bits frozen and unfrozen and on any number
-// of threads; fp32 where the CPU lacks AVX512_BF16; and the calls that refuse it.
+// Reduced precision (docs/precision.md). Precision::bf16 (ForwardOptions::precision): the
+// projections' and the flash kernel's products with operands rounded to bf16 and sums in fp32,
+// against a float64 layer holding the same weights and reading the same inputs: at most 1e-2 of
+// the float64 output's largest magnitude (issue 18's bound), on the cases that reach each of the
+// bf16 code's branches (key blocks that start off a panel or a pair, odd head widths and key
+// counts, the extra key rows, grouped heads, the fp32 paths bf16 leaves alone); the same bits
+// frozen and unfrozen and on any number of threads; fp32 where the CPU lacks AVX512_BF16; and
+// the calls that refuse it. FrozenWeights::int8: the quantization, the int8 products against
+// double, and the frozen layer's forward and decode within 2e-2 of the unquantized float64 layer.
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -289,7 +292,49 @@ TEST_CASE("scaled_dot_product_attention in bf16 stays within 1e-2 of float64", "
                            "precision"));
 }
 
-TEST_CASE("forward_train and decode refuse bf16 arithmetic, naming the option", "[precision]") {
+TEST_CASE("a frozen layer decodes with bf16 projections within 1e-2 of float64", "[precision]") {
+  // B = 3 sequences, grouped heads: a prompt of 40 tokens, then steps of 1 and 2, against one
+  // causal float64 forward over the whole sequences.
+  MultiHeadAttentionConfig config(128, 4);
+  config.num_kv_heads = 2;
+  config.seed = 61;
+  const MultiHeadAttention<float> layer(config);
+  const MultiHeadAttention<double> wide = converted<double>(layer);
+  const mha::FrozenMultiHeadAttention<float> frozen(layer);
+  const auto x = mha_test::random_tensor<float>({3, 43, 128}, 62);
+  ForwardOptions<double> causal;
+  causal.need_weights = false;
+  causal.is_causal = true;
+  const auto expected = wide.forward(mha::tensor_cast<double>(x), causal);
+  for (const Precision precision : {Precision::fp32, Precision::bf16}) {
+    INFO(mha::precision_name(precision));
+    auto options = MultiHeadAttention<float>::decode_options();
+    options.precision = precision;
+    auto cache = layer.make_kv_cache(3, 43);
+    Tensor<float> decoded(x.shape());
+    Index first = 0;
+    for (const Index count : {40, 1, 2}) {
+      Tensor<float> step({3, count, 128});
+      for (Index b = 0; b < 3; ++b) step[b].matrix() = x[b].matrix().middleRows(first, count);
+      const auto out = frozen.decode(step, cache, options);
+      for (Index b = 0; b < 3; ++b) {
+        decoded[b].matrix().middleRows(first, count) = out.output[b].matrix();
+      }
+      first += count;
+    }
+    const double error = error_of_largest(decoded, expected.output);
+    INFO("error " << error);
+    if (precision == Precision::fp32) {
+      CHECK(error <= 1e-5);
+    } else {
+      CHECK(error <= 1e-2);
+      if (mha::bf16_arithmetic_available()) CHECK(error > 1e-4);
+    }
+  }
+}
+
+TEST_CASE("forward_train, a layer's decode and double computations refuse bf16, naming it",
+          "[precision]") {
   const MultiHeadAttention<float> layer(MultiHeadAttentionConfig(32, 2));
   const auto x = mha_test::random_tensor<float>({1, 4, 32}, 41);
   ForwardOptions<float> options;
@@ -303,6 +348,148 @@ TEST_CASE("forward_train and decode refuse bf16 arithmetic, naming the option", 
   auto cache = layer.make_kv_cache(1, 8);
   CHECK(mha_test::contains(
       mha_test::message_of<std::invalid_argument>([&] { layer.decode(x, cache, options); }),
-      "precision"));
+      "FrozenMultiHeadAttention"));
   CHECK(cache.length(0) == 0);  // nothing changed
+  const MultiHeadAttention<double> wide(MultiHeadAttentionConfig(32, 2));
+  ForwardOptions<double> wide_options;
+  wide_options.precision = Precision::bf16;
+  CHECK(mha_test::contains(mha_test::message_of<std::invalid_argument>(
+                               [&] { wide.forward(mha::tensor_cast<double>(x), wide_options); }),
+                           "precision"));
+}
+
+TEST_CASE("int8 weights: per-row scales, levels within half a step, products as double's",
+          "[precision][int8]") {
+  for (const Index depth : {1, 16, 37, 2050}) {
+    for (const Index outputs : {1, 5, 70}) {
+      INFO("depth " << depth << ", outputs " << outputs);
+      const Index stride = depth + 3;
+      auto weight = mha_test::random_tensor<float>({outputs, stride}, 71);
+      for (Index k = 0; k < stride; ++k) weight.data()[k] = 0.0F;  // a row of zeros
+      mha::detail::Int8Weight q;
+      mha::detail::quantize_int8_weight(weight.data(), outputs, depth, stride, q);
+      bool levels = true, within = true, extreme = true;
+      for (Index n = 0; n < outputs; ++n) {
+        const float scale = q.scales[static_cast<std::size_t>(n)];
+        int largest = 0;
+        for (Index k = 0; k < depth; ++k) {
+          const int level = q.values[static_cast<std::size_t>(n * depth + k)];
+          levels = levels && level >= -127 && level <= 127;
+          largest = std::max(largest, std::abs(level));
+          within = within && std::abs(static_cast<double>(weight.data()[n * stride + k]) -
+                                      static_cast<double>(q.dequantized(n, k))) <=
+                                 0.5001 * static_cast<double>(scale);
+        }
+        extreme = extreme && (n == 0 ? scale == 0.0F && largest == 0 : largest == 127);
+      }
+      CHECK(levels);
+      CHECK(within);
+      CHECK(extreme);
+      for (const Index rows : {1, 3, 4, 9}) {
+        INFO(rows << " rows");
+        const Index x_stride = depth + 1, ld = outputs + 2;
+        const auto x = mha_test::random_tensor<float>({rows, x_stride}, 72);
+        std::vector<float> dst(static_cast<std::size_t>(rows * ld), -7.0F);
+        mha::detail::int8_product(x.data(), rows, x_stride, q, dst.data(), ld);
+        bool close = true, untouched = true;
+        for (Index m = 0; m < rows; ++m) {
+          for (Index n = 0; n < ld; ++n) {
+            const double actual = dst[static_cast<std::size_t>(m * ld + n)];
+            if (n >= outputs) {
+              untouched = untouched && actual == -7.0;
+              continue;
+            }
+            double sum = 0, magnitude = 0;
+            for (Index k = 0; k < depth; ++k) {
+              const double term = static_cast<double>(q.dequantized(n, k)) *
+                                  static_cast<double>(x.data()[m * x_stride + k]);
+              sum += term;
+              magnitude += std::abs(term);
+            }
+            // A depth-term fp32 sum, then the scale: within γ(depth + 2) of the magnitudes.
+            const double terms = static_cast<double>(depth + 2), u = std::ldexp(1.0, -24);
+            close = close && std::abs(actual - sum) <= terms * u / (1 - terms * u) * magnitude;
+          }
+        }
+        CHECK(close);
+        CHECK(untouched);
+#ifdef _OPENMP
+        const int threads_before = omp_get_max_threads();
+        std::vector<float> three(dst.size(), -7.0F);
+        omp_set_num_threads(3);
+        mha::detail::int8_product(x.data(), rows, x_stride, q, three.data(), ld);
+        omp_set_num_threads(threads_before);
+        CHECK(three == dst);
+#endif
+      }
+    }
+  }
+}
+
+TEST_CASE("a frozen layer with int8 weights stays within 2e-2 of float64, forward and decode",
+          "[precision][int8]") {
+  for (const bool packed_projection : {true, false}) {
+    INFO((packed_projection ? "in_proj_weight" : "q/k/v_proj_weight (grouped heads)"));
+    MultiHeadAttentionConfig config(128, 4);
+    if (!packed_projection) config.num_kv_heads = 2;
+    config.seed = 81;
+    const MultiHeadAttention<float> layer(config);
+    const MultiHeadAttention<double> wide = converted<double>(layer);
+    const mha::FrozenMultiHeadAttention<float> frozen(layer, mha::FrozenWeights::int8);
+    CHECK(frozen.weights_int8());
+    // Its weights are the quantized ones: a layer holding them forwards to the same bits.
+    const MultiHeadAttention<float>& quantized = frozen.layer();
+    const auto x = mha_test::random_tensor<float>({3, 43, 128}, 82);
+    ForwardOptions<float> options;
+    options.need_weights = false;
+    options.is_causal = true;
+    ForwardOptions<double> wide_options;
+    wide_options.need_weights = false;
+    wide_options.is_causal = true;
+    const auto expected = wide.forward(mha::tensor_cast<double>(x), wide_options);
+    const auto forward = frozen.forward(x, options);
+    CHECK(forward.output.flat() == quantized.forward(x, options).output.flat());
+    const double forward_error = error_of_largest(forward.output, expected.output);
+    INFO("forward error " << forward_error);
+    CHECK(forward_error <= 2e-2);
+    CHECK(forward_error > 1e-4);  // the weights did change
+    // Decoding: a prompt of 40, then steps of 1 and 2, the steps' projections on int8 values.
+    auto cache = layer.make_kv_cache(3, 43);
+    auto reference_cache = layer.make_kv_cache(3, 43);
+    const auto step_options = MultiHeadAttention<float>::decode_options();
+    Tensor<float> decoded(x.shape());
+    Index first = 0;
+    for (const Index count : {40, 1, 2}) {
+      Tensor<float> step({3, count, 128});
+      for (Index b = 0; b < 3; ++b) step[b].matrix() = x[b].matrix().middleRows(first, count);
+      const auto out = frozen.decode(step, cache, step_options);
+      // The same step by the quantized weights in float: rounding apart, the same.
+      const auto same = quantized.decode(step, reference_cache, step_options);
+      CHECK(error_of_largest(out.output, mha::tensor_cast<double>(same.output)) <= 1e-5);
+      for (Index b = 0; b < 3; ++b) {
+        decoded[b].matrix().middleRows(first, count) = out.output[b].matrix();
+      }
+      first += count;
+    }
+    const double decode_error = error_of_largest(decoded, expected.output);
+    INFO("decode error " << decode_error);
+    CHECK(decode_error <= 2e-2);
+  }
+}
+
+TEST_CASE("int8 weights are refused for 16-bit layers and non-finite weights",
+          "[precision][int8]") {
+  const MultiHeadAttention<Eigen::half> half_layer(MultiHeadAttentionConfig(32, 2));
+  CHECK(mha_test::contains(mha_test::message_of<std::invalid_argument>([&] {
+                             mha::FrozenMultiHeadAttention<Eigen::half> frozen(
+                                 half_layer, mha::FrozenWeights::int8);
+                           }),
+                           "weights"));
+  MultiHeadAttention<float> layer(MultiHeadAttentionConfig(32, 2));
+  layer.parameter("out_proj.weight").data()[5] = std::numeric_limits<float>::infinity();
+  CHECK(mha_test::contains(mha_test::message_of<std::invalid_argument>([&] {
+                             mha::FrozenMultiHeadAttention<float> frozen(layer,
+                                                                         mha::FrozenWeights::int8);
+                           }),
+                           "out_proj.weight is not finite"));
 }

@@ -60,6 +60,17 @@ inline bool bf16_arithmetic_available() {
 
 namespace detail {
 
+// Precision::bf16 is for float computations (float and 16-bit layers, float attention): a double
+// computation refuses it rather than compute in double what was asked in bf16.
+template <class Compute>
+void check_precision(Precision precision) {
+  if (std::is_same_v<Compute, double> && precision != Precision::fp32) {
+    throw_argument("precision", std::string("bf16 arithmetic is for float computations; this one "
+                                            "is in double, got ") +
+                                    precision_name(precision));
+  }
+}
+
 // The kernel that runs: the flash kernel cannot return weights, so asking for both is refused.
 inline Kernel resolve_kernel(Kernel requested, bool need_weights) {
   if (requested == Kernel::flash && need_weights) {
@@ -338,6 +349,7 @@ AttentionProblem<T> attention_problem(const TensorView<const T>& query,
 
   problem.kernel = resolve_kernel(options.kernel, options.need_weights);
   check_dropout(options.dropout);
+  check_precision<T>(options.precision);
   CoreOptions<T>& core = problem.core;
   core.scale = options.scale ? *options.scale : T(1) / std::sqrt(static_cast<T>(problem.head_dim));
   if (!std::isfinite(core.scale)) {

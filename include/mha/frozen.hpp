@@ -15,6 +15,16 @@
 // and CPUs compute exactly as the layer does. The packed panels take about as much memory as the
 // weights themselves, beside the copy. Products of a few rows (a decoding step's tokens) are dot
 // products, as in the layer, for which packing gains nothing: decode runs as the layer's.
+// On CPUs with AVX512_BF16 every frozen layer also packs its weights as bf16 panels (half of a
+// float layer's weight bytes more) for Precision::bf16, in forward and in decode, whose
+// projections then read half the bytes of float weights.
+//
+// FrozenWeights::int8 quantizes the projection weights (W_q, W_k, W_v, W_o) to int8, one scale
+// per output row (kernels/int8_weights.hpp), as PyTorch's and ONNX Runtime's dynamic
+// quantization and CTranslate2's int8 do: the frozen layer's weights become the quantized Ŵ
+// (layer() holds them; bias and everything else are kept), every product multiplies by Ŵ, and
+// the products of a few rows (a decoding step's tokens) read the int8 values, a quarter of float
+// weights' bytes. Float layers only.
 //
 // Threads: as a MultiHeadAttention's const members (forward and decode may be called at once
 // from many threads, each with its own Workspace, result and cache).
@@ -22,18 +32,31 @@
 
 #include <map>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "mha/multihead_attention.hpp"
 
 namespace mha {
 
+// What a frozen layer does with its projection weights (see the top): keeps them, or quantizes
+// them to int8.
+enum class FrozenWeights { as_given, int8 };
+
 template <class T>
 class FrozenMultiHeadAttention {
  public:
-  // A copy of `layer` as it is now, with its weights packed.
-  explicit FrozenMultiHeadAttention(const MultiHeadAttention<T>& layer)
-      : layer_(layer), packed_(detail::PackedProjections::pack(layer_.parameters_)) {}
+  // A copy of `layer` as it is now, with its weights packed (and quantized, with
+  // FrozenWeights::int8).
+  explicit FrozenMultiHeadAttention(const MultiHeadAttention<T>& layer,
+                                    FrozenWeights weights = FrozenWeights::as_given)
+      : layer_(layer) {
+    std::map<std::string, detail::Int8Weight> int8;
+    if (weights == FrozenWeights::int8) int8 = quantize_weights();
+    packed_ = detail::PackedProjections::pack(layer_.parameters_);
+    if (weights == FrozenWeights::int8) split_int8(int8);
+  }
 
   // MultiHeadAttention::from_state_dict, frozen.
   static FrozenMultiHeadAttention from_state_dict(const std::map<std::string, Tensor<T>>& state,
@@ -48,6 +71,8 @@ class FrozenMultiHeadAttention {
 
   // Whether the projections run on weights packed once (see the top of this file).
   bool weights_packed() const { return !packed_.query.empty(); }
+  // Whether the weights were quantized to int8 (FrozenWeights::int8).
+  bool weights_int8() const { return !packed_.int8_output.empty(); }
 
   // MultiHeadAttention::forward, with the same checks and results.
   ForwardResult<T> forward(TensorView<const T> query, TensorView<const T> key,
@@ -64,21 +89,74 @@ class FrozenMultiHeadAttention {
     const detail::ForwardPlan plan = detail::plan_forward(parameters, query, key, value, options);
     const auto core = detail::core_options(parameters, plan, options);
     detail::run_forward(parameters, plan, core, query, key, value, options, workspace, result,
-                        nullptr, weights_packed() ? &packed_ : nullptr);
+                        nullptr, &packed_);
   }
   ForwardResult<T> forward(TensorView<const T> x, const ForwardOptions<T>& options = {}) const {
     return forward(x, x, x, options);
   }
 
-  // MultiHeadAttention::decode.
+  // MultiHeadAttention::decode; with Precision::bf16 (which the layer refuses for decode) its
+  // projections run in bf16 on the weights' bf16 panels, packed once.
   ForwardResult<T> decode(
       TensorView<const T> x, KVCache<T>& cache,
       const ForwardOptions<T>& options = MultiHeadAttention<T>::decode_options(),
       const std::vector<Index>& new_tokens = {}) const {
-    return layer_.decode(x, cache, options, new_tokens);
+    return detail::Decoding<T>::step(layer_.parameters_, x, cache, options, new_tokens, &packed_);
   }
 
  private:
+  // The projection weights' names: in_proj_weight holds W_q, W_k and W_v as row blocks.
+  std::vector<std::string> weight_names() const {
+    if (layer_.parameters_.packed_projection()) return {"in_proj_weight", "out_proj.weight"};
+    return {"q_proj_weight", "k_proj_weight", "v_proj_weight", "out_proj.weight"};
+  }
+
+  // Each projection weight quantized to int8 (returned by name) and replaced by its Ŵ.
+  std::map<std::string, detail::Int8Weight> quantize_weights() {
+    std::map<std::string, detail::Int8Weight> int8;
+    if (!std::is_same_v<T, float>) {
+      detail::throw_argument("weights", "int8 weights are for float layers");
+    }
+    for (const std::string& name : weight_names()) {
+      const TensorView<const T> weight = std::as_const(layer_).parameter(name);
+      if (!weight.matrix().allFinite()) {
+        detail::throw_argument(
+            "weights", "int8 quantization needs finite weights; " + name + " is not finite");
+      }
+      const Index rows = weight.dim(0), cols = weight.dim(1);
+      detail::Int8Weight& quantized = int8[name];
+      detail::quantize_int8_weight(weight.data(), rows, cols, cols, quantized);
+      Tensor<T> dequantized(weight.shape());
+      for (Index n = 0; n < rows; ++n) {
+        for (Index k = 0; k < cols; ++k) {
+          dequantized.data()[n * cols + k] = static_cast<T>(quantized.dequantized(n, k));
+        }
+      }
+      layer_.set_parameter(name, dequantized.view());
+    }
+    return int8;
+  }
+
+  // The quantized weights as the projections' (in_proj_weight's row blocks apart).
+  void split_int8(std::map<std::string, detail::Int8Weight>& int8) {
+    const detail::LayerParameters<T>& parameters = layer_.parameters_;
+    detail::Int8Weight* inputs[] = {&packed_.int8_query, &packed_.int8_key, &packed_.int8_value};
+    for (int which = 0; which < 3; ++which) {
+      const detail::Int8Weight& whole =
+          parameters.packed_projection() ? int8.at("in_proj_weight")
+                                         : int8.at(weight_names()[static_cast<std::size_t>(which)]);
+      const Index first = parameters.packed_projection() ? parameters.bias_offset(which) : 0;
+      const Index rows = parameters.projection_width(which), depth = whole.depth;
+      detail::Int8Weight& part = *inputs[which];
+      part.outputs = rows;
+      part.depth = depth;
+      part.values.assign(whole.values.begin() + first * depth,
+                         whole.values.begin() + (first + rows) * depth);
+      part.scales.assign(whole.scales.begin() + first, whole.scales.begin() + first + rows);
+    }
+    packed_.int8_output = std::move(int8.at("out_proj.weight"));
+  }
+
   MultiHeadAttention<T> layer_;
   detail::PackedProjections packed_;
 };

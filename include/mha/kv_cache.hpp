@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "mha/errors.hpp"
+#include "mha/kernels/bf16_projection.hpp"
 #include "mha/kernels/common.hpp"
 #include "mha/kernels/decode.hpp"
 #include "mha/rotary.hpp"
@@ -172,6 +173,8 @@ class KVCache {
   // The decoding kernel's sequences and buffers (kernels/decode.hpp).
   std::vector<detail::DecodeSequence<T>> decode_sequences_;
   detail::DecodeScratch decode_;
+  // Precision::bf16's projections of a step (layer/projections.hpp).
+  detail::Bf16Scratch bf16_;
 };
 
 }  // namespace mha

@@ -27,10 +27,13 @@ template <class T>
 struct Decoding {
   using Compute = compute_t<T>;
 
-  // One step; new_tokens (empty, or one count per sequence) as MultiHeadAttention::decode.
+  // One step; new_tokens (empty, or one count per sequence) as MultiHeadAttention::decode;
+  // packed: null, or a frozen layer's packed weights: its bf16 panels under Precision::bf16 (which
+  // the layer, whose weights would be packed at every step, refuses) and its int8 weights.
   static ForwardResult<T> step(const LayerParameters<T>& parameters, const TensorView<const T>& x,
                                KVCache<T>& cache, const ForwardOptions<T>& options,
-                               const std::vector<Index>& new_tokens);
+                               const std::vector<Index>& new_tokens,
+                               const PackedProjections* packed = nullptr);
 
   // Every check of a step, before anything changes; returns n.
   static Index check(const LayerParameters<T>& parameters, const TensorView<const T>& x,
@@ -42,11 +45,24 @@ template <class T>
 ForwardResult<T> Decoding<T>::step(const LayerParameters<T>& parameters,
                                    const TensorView<const T>& x, KVCache<T>& cache,
                                    const ForwardOptions<T>& options,
-                                   const std::vector<Index>& new_tokens) {
+                                   const std::vector<Index>& new_tokens,
+                                   const PackedProjections* packed) {
   const Index heads = parameters.num_heads(), head_dim = parameters.head_dim();
   const Index width = parameters.kv_dim(), inner = parameters.inner_dim();
   const Index batch = cache.batch();
   const Index steps = check(parameters, x, cache, options, new_tokens);
+  if (options.precision == Precision::bf16 && packed == nullptr) {
+    throw_argument("precision",
+                   "decode computes in bf16 on weights packed once, which a layer does not keep "
+                   "(it would pack them at every step): decode through a "
+                   "FrozenMultiHeadAttention, or with Precision::fp32");
+  }
+  // A frozen layer's projections by its packings: in bf16 by its bf16 panels (where the CPU has
+  // AVX512_BF16), or in fp32 by its int8 weights (FrozenWeights::int8); the attention over the
+  // cache stays fp32, bound by reading the cache rather than by products.
+  const bool bf16 = options.precision == Precision::bf16 && bf16_arithmetic_available();
+  cache.bf16_.forget();
+  const auto route = [&](int which) { return projection_route(packed, bf16, cache.bf16_, which); };
   const Kernel kernel = layer_kernel(parameters, options.kernel, false);
   const Index rotary_dim = options.rope ? checked_rotary_dim(*options.rope, head_dim) : 0;
   CoreOptions<Compute> core;
@@ -64,8 +80,8 @@ ForwardResult<T> Decoding<T>::step(const LayerParameters<T>& parameters,
   Matrix<Compute>* projected[] = {&cache.queries_, &cache.new_keys_, &cache.new_values_};
   for (int which = 0; which < 3; ++which) {
     projected[which]->resize(input.rows(), parameters.projection_width(which));
-    product_transposed<Compute>(strided(*projected[which]), const_strided(input),
-                                parameters.weight_rows(which), Accumulate::no, cache.kernel_);
+    project_rows<Compute>(strided(*projected[which]), const_strided(input),
+                          parameters.weight_rows(which), route(which), cache.kernel_);
     add_bias(parameters, *projected[which], which);
   }
   cache.attended_.resize(input.rows(), inner);
@@ -127,7 +143,8 @@ ForwardResult<T> Decoding<T>::step(const LayerParameters<T>& parameters,
   scale_heads(cache.attended_, options.head_gate, head_dim);
   ForwardResult<T> result;
   result.output.resize(x.shape());
-  project_output(parameters, cache.attended_, result.output, cache.output_, cache.kernel_);
+  project_output(parameters, cache.attended_, result.output, cache.output_, cache.kernel_,
+                 route(3));
   auto output = result.output.matrix();
   for (Index b = 0; b < batch && !new_tokens.empty(); ++b) {
     const Index count = new_tokens[static_cast<std::size_t>(b)];
@@ -188,11 +205,7 @@ Index Decoding<T>::check(const LayerParameters<T>& parameters, const TensorView<
   }
   check_head_gate(options.head_gate, config.num_heads);
   check_window(options.window);
-  if (options.precision != Precision::fp32) {
-    throw_argument("precision", std::string("decode computes in fp32; got ") +
-                                    precision_name(options.precision) +
-                                    " (bf16 arithmetic is for forward)");
-  }
+  check_precision<Compute>(options.precision);
   if (!options.attn_mask.empty() || !options.key_padding_mask.empty()) {
     throw_argument("decode",
                    "takes no attn_mask or key_padding_mask: the cache decides which keys a token "

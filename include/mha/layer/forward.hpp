@@ -118,6 +118,7 @@ ForwardPlan plan_forward(const LayerParameters<T>& parameters, const TensorView<
   if (options.rope) checked_rotary_dim(*options.rope, parameters.head_dim());
   check_head_gate(options.head_gate, config.num_heads);
   check_window(options.window);
+  check_precision<compute_t<T>>(options.precision);
   // Self-attention without extra key rows projects q, k and v in one [B*L, E] x [E, 3E] GEMM.
   plan.fused = parameters.packed_projection() && !config.add_bias_kv && !config.add_zero_attn &&
                query.data() == key.data() && key.data() == value.data() &&
@@ -246,24 +247,20 @@ void run_forward(const LayerParameters<T>& parameters, const ForwardPlan& plan,
   const bool bf16 = core.bf16_products;
   workspace.bf16.forget();
   const auto route = [&](int which) {
-    ProjectionRoute chosen;
-    if (bf16) chosen.bf16 = &workspace.bf16;
-    if (packed == nullptr) return chosen;
-    if (bf16) {
-      const Bf16PackedWeight& weight = which == 3 ? packed->bf16_output : packed->bf16_input(which);
-      if (!weight.empty()) chosen.bf16_packed = &weight;
-    } else {
-      chosen.packed = which == 3 ? &packed->output : &packed->input(which);
-    }
-    return chosen;
+    return projection_route(packed, bf16, workspace.bf16, which);
   };
   if (plan.fused) {
     // [B*L, H·D + 2·H_kv·D]: heads read q, k and v at their column offsets.
     Matrix<Compute>& qkv = workspace.qkv;
     qkv.resize(batch * query_len, inner + 2 * kv_width);
     const ConstStridedMap<Compute> input = const_strided(as_compute(query, workspace.query));
-    const bool frozen_bf16 = bf16 && packed != nullptr && !packed->bf16_query.empty();
-    if (frozen_bf16 || (!bf16 && packed != nullptr && runs_prepacked(packed->query, qkv.rows()))) {
+    // A frozen layer's packings serve each projection apart.
+    const bool per_projection =
+        packed != nullptr &&
+        (bf16 ? !packed->bf16_query.empty()
+              : runs_prepacked(packed->query, qkv.rows()) ||
+                    (!packed->int8_query.empty() && few_rows_product(qkv.rows(), inner)));
+    if (per_projection) {
       // Three products into qkv's column blocks: an element's sums are the same wherever the
       // columns are cut.
       for (int which = 0; which < 3; ++which) {

@@ -15,6 +15,7 @@
 #include "mha/kernels/bf16_projection.hpp"
 #include "mha/kernels/convert.hpp"
 #include "mha/kernels/gemm.hpp"
+#include "mha/kernels/int8_weights.hpp"
 #include "mha/kernels/prepacked_gemm.hpp"
 #include "mha/layer/parameters.hpp"
 #include "mha/tensor.hpp"
@@ -44,12 +45,18 @@ Eigen::Map<const Matrix<compute_t<T>>> as_compute(const TensorView<const T>& inp
 struct PackedProjections {
   PackedWeight query, key, value, output;
   Bf16PackedWeight bf16_query, bf16_key, bf16_value, bf16_output;
+  // A frozen layer with int8 weights (FrozenWeights::int8): the int8 values and scales whose Ŵ
+  // the weights above were packed from, for the products of a few rows. Empty otherwise.
+  Int8Weight int8_query, int8_key, int8_value, int8_output;
 
   const PackedWeight& input(int which) const {
     return which == 0 ? query : which == 1 ? key : value;
   }
   const Bf16PackedWeight& bf16_input(int which) const {
     return which == 0 ? bf16_query : which == 1 ? bf16_key : bf16_value;
+  }
+  const Int8Weight& int8_input(int which) const {
+    return which == 0 ? int8_query : which == 1 ? int8_key : int8_value;
   }
 
   template <class T>
@@ -83,7 +90,29 @@ struct ProjectionRoute {
   const PackedWeight* packed = nullptr;
   Bf16Scratch* bf16 = nullptr;
   const Bf16PackedWeight* bf16_packed = nullptr;
+  // fp32 with int8 weights (a frozen layer's): products of a few rows read the int8 values.
+  const Int8Weight* int8 = nullptr;
 };
+
+// The route of projection `which` (0, 1, 2 for q, k, v; 3 for the output) in one call: with bf16
+// (Precision::bf16 on a CPU with AVX512_BF16), on `scratch`, by a frozen layer's bf16 panels
+// where `packed` has them, else by W packed at the call; else fp32, on a frozen float layer's
+// fp32 panels where `packed` has them.
+inline ProjectionRoute projection_route(const PackedProjections* packed, bool bf16,
+                                        Bf16Scratch& scratch, int which) {
+  ProjectionRoute route;
+  if (bf16) route.bf16 = &scratch;
+  if (packed == nullptr) return route;
+  if (bf16) {
+    const Bf16PackedWeight& weight = which == 3 ? packed->bf16_output : packed->bf16_input(which);
+    if (!weight.empty()) route.bf16_packed = &weight;
+  } else {
+    route.packed = which == 3 ? &packed->output : &packed->input(which);
+    const Int8Weight& int8 = which == 3 ? packed->int8_output : packed->int8_input(which);
+    if (!int8.empty()) route.int8 = &int8;
+  }
+  return route;
+}
 
 // dst [rows, N] = lhs [rows, K] · Wᵀ as `route` says (else as product_transposed multiplies; on
 // fp32 panels only where the product is not one of a few rows).
@@ -103,6 +132,11 @@ void project_rows(StridedMap<Compute> dst, ConstStridedMap<Compute> lhs,
     }
   }
   if constexpr (std::is_same_v<Compute, float> && std::is_same_v<Stored, float>) {
+    if (route.int8 != nullptr && few_rows_product(dst.rows(), dst.cols())) {
+      int8_product(lhs.data(), lhs.rows(), lhs.outerStride(), *route.int8, dst.data(),
+                   dst.outerStride());
+      return;
+    }
     if (route.packed != nullptr && runs_prepacked(*route.packed, dst.rows())) {
       multiply_prepacked(dst, lhs, *route.packed);
       return;
