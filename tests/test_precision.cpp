@@ -292,6 +292,28 @@ TEST_CASE("scaled_dot_product_attention in bf16 stays within 1e-2 of float64", "
                            "precision"));
 }
 
+TEST_CASE("bf16 tiles read no value outside their key block", "[precision]") {
+  // A window of 4 keys to the left and 1 to the right over 300 keys: the second query block
+  // (queries 96-191) reads keys 92-192, an odd count starting at an even key, so its last pair of
+  // values would hold key 193, which only queries 192-197 see. Key 193's value is infinite: the
+  // outputs of the query blocks whose keys stop before it (queries 0-191) must stay finite, as
+  // the fp32 tiles keep them. (Later blocks hold key 193 in their tiles, where a weight of 0
+  // times the infinite value is NaN in either precision, as ForwardOptions::check_inputs says.)
+  auto q = mha_test::random_tensor<float>({1, 1, 300, 32}, 55);
+  auto k = mha_test::random_tensor<float>({1, 1, 300, 32}, 56);
+  auto v = mha_test::random_tensor<float>({1, 1, 300, 32}, 57);
+  for (Index d = 0; d < 32; ++d) v.data()[193 * 32 + d] = std::numeric_limits<float>::infinity();
+  mha::AttentionOptions<float> options;
+  options.window = {4, 1};
+  options.precision = Precision::bf16;
+  const auto out = mha::scaled_dot_product_attention(q, k, v, options);
+  bool finite = true;
+  for (Index i = 0; i < 192; ++i) {
+    for (Index d = 0; d < 32; ++d) finite = finite && std::isfinite(out.output.data()[i * 32 + d]);
+  }
+  CHECK(finite);
+}
+
 TEST_CASE("a frozen layer decodes with bf16 projections within 1e-2 of float64", "[precision]") {
   // B = 3 sequences, grouped heads: a prompt of 40 tokens, then steps of 1 and 2, against one
   // causal float64 forward over the whole sequences.
