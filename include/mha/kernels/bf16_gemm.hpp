@@ -131,7 +131,7 @@ __attribute__((target("avx512f,avx512bf16"))) inline void round_row_bf16_avx512(
     const __m512 low = _mm512_maskz_loadu_ps(lanes_inside(cols, c), x + c);
     const __m512 high = _mm512_maskz_loadu_ps(lanes_inside(cols, c + 16), x + c + 16);
     // (high, low): the first sixteen bf16 from low, in order, so lane p holds floats 2p, 2p + 1.
-    const __m512i pairs = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));
+    const auto pairs = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));
     _mm512_mask_storeu_epi32(out + c / 2, lanes_inside(bf16_pairs(cols), c / 2), pairs);
   }
 }
@@ -309,8 +309,8 @@ __attribute__((target("avx512f,avx512bf16"), noinline)) inline void micro_tile_b
     MHA_UNROLL
     for (Index q = 0; q < Panels; ++q) {
       float* out = tile + r * ld + q * 16;
-      const __m512 scaled = _mm512_mul_ps(factor, sums[r][q]);
-      _mm512_storeu_ps(out, first ? scaled : _mm512_add_ps(_mm512_loadu_ps(out), scaled));
+      const __m512 scaled = factor * sums[r][q];
+      _mm512_storeu_ps(out, first ? scaled : _mm512_loadu_ps(out) + scaled);
     }
   }
 }
@@ -354,10 +354,7 @@ inline void bf16_tile_product(Index rows, Index cols, Index pairs, const std::ui
     }
   }
 #else
-  static_cast<void>(rows), static_cast<void>(cols), static_cast<void>(pairs);
-  static_cast<void>(a), static_cast<void>(a_stride), static_cast<void>(b);
-  static_cast<void>(panel_stride), static_cast<void>(scale), static_cast<void>(first);
-  static_cast<void>(dst), static_cast<void>(ld);
+  arguments_unused(rows, cols, pairs, a, a_stride, b, panel_stride, scale, first, dst, ld);
 #endif
 }
 

@@ -41,6 +41,8 @@ inline void bf16_scores(FlashPanels& panels, const std::uint32_t* queries, Index
       j0 % Bf16GemmShape::kNr == 0
           ? panels.bf16_keys.transposed(k_bh) + (j0 / Bf16GemmShape::kNr) * stride
           : panels.bf16_block_keys.block_transposed(k_bh, j0, cols);
+  // Queries and keys hold the same pairs: the queries' rows are `pairs` lanes long.
+  // NOLINTNEXTLINE(readability-suspicious-call-argument)
   bf16_tile_product(rows, cols, pairs, queries, pairs, keys, stride, scale, first, s, ld);
 }
 
@@ -58,6 +60,8 @@ inline void bf16_accumulate_values(FlashPanels& panels, const float* p, Index p_
                                     ? panels.bf16_values.rows(v_bh) + (j0 / 2) * Bf16GemmShape::kNr
                                     : panels.bf16_block_values.block_rows(v_bh, j0, cols);
   const Index stride = whole ? Bf16PanelBuffer::rows_stride(v_bh) : pairs * Bf16GemmShape::kNr;
+  // The probabilities' rows are the product's `pairs` lanes long.
+  // NOLINTNEXTLINE(readability-suspicious-call-argument)
   bf16_tile_product(rows, v_bh.cols(), pairs, panels.bf16_probabilities.data(), pairs, values,
                     stride, 1.0F, false, acc, acc_ld);
 }
