@@ -270,6 +270,19 @@ Comparison compare_rounding(const mha::Tensor<T>& actual, const mha::Tensor<doub
   return compare_rounding<T>(actual.view(), exact.view(), tolerance, scale);
 }
 
+// max |actual - expected| / max |expected|: how far a reduced-precision result (16-bit storage,
+// bf16 arithmetic, int8 weights) is from float64, at the scale of the result (elementwise
+// relative error is meaningless for outputs near 0).
+template <class T>
+double error_of_largest(const mha::Tensor<T>& actual, const mha::Tensor<double>& expected) {
+  REQUIRE(actual.shape() == expected.shape());
+  const mha::Tensor<double> widened = mha::tensor_cast<double>(actual);
+  REQUIRE(widened.flat().allFinite());
+  const double scale = expected.flat().cwiseAbs().maxCoeff();
+  REQUIRE(scale > 0);
+  return (widened.flat() - expected.flat()).cwiseAbs().maxCoeff() / scale;
+}
+
 // The message of the Exception that f throws, or "(nothing thrown)": for checks on a part of a
 // message with the macros common to Catch2 v2 and v3.
 template <class Exception, class F>

@@ -27,18 +27,6 @@ using mha::Tensor;
 
 namespace {
 
-// max |actual - expected| / max |expected|: how far a 16-bit result is from float64, at the
-// scale of the result (elementwise relative error is meaningless for outputs near 0).
-template <class T16>
-double relative_error(const Tensor<T16>& actual, const Tensor<double>& expected) {
-  REQUIRE(actual.shape() == expected.shape());
-  const Tensor<double> widened = mha::tensor_cast<double>(actual);
-  const double scale = expected.flat().cwiseAbs().maxCoeff();
-  REQUIRE(scale > 0);
-  REQUIRE(widened.flat().allFinite());
-  return (widened.flat() - expected.flat()).cwiseAbs().maxCoeff() / scale;
-}
-
 // A float64 layer with random weights, and the same layer in T16: its weights rounded to 16 bits,
 // which the float64 layer then takes back, so both hold exactly the same numbers.
 template <class T16>
@@ -208,12 +196,13 @@ TEMPLATE_TEST_CASE("16-bit layers are within 1e-2 of float64 for every option", 
     const auto actual =
         self ? layers.narrow.forward(query.view(), options)
              : layers.narrow.forward(query.view(), key.view(), value.view(), options);
-    const double output_error = relative_error(actual.output, expected.output);
+    const double output_error = mha_test::error_of_largest(actual.output, expected.output);
     INFO("output error " << output_error);
     CHECK(output_error <= 1e-2);
     CHECK(output_error <= 2 * output_rounding);
     if (wide_options.need_weights) {
-      const double weights_error = relative_error(actual.attn_weights, expected.attn_weights);
+      const double weights_error =
+          mha_test::error_of_largest(actual.attn_weights, expected.attn_weights);
       INFO("weights error " << weights_error);
       CHECK(weights_error <= 1e-2);
       CHECK(weights_error <= 2 * output_rounding);
@@ -239,7 +228,8 @@ TEMPLATE_TEST_CASE("16-bit kernels agree and do not depend on the thread count",
   // The kernels add in different orders in float; after rounding to T16 they may differ by one
   // unit in the last place of an element.
   const double unit = std::is_same_v<T16, Eigen::half> ? 0x1p-10 : 0x1p-7;
-  CHECK(relative_error(flash.output, mha::tensor_cast<double>(reference.output)) <= unit);
+  CHECK(mha_test::error_of_largest(flash.output, mha::tensor_cast<double>(reference.output)) <=
+        unit);
 #ifdef _OPENMP
   const int threads_before = omp_get_max_threads();
   omp_set_num_threads(1);
@@ -320,7 +310,7 @@ TEMPLATE_TEST_CASE("16-bit decoding with a 16-bit KV cache follows the full forw
     // The cache rounds keys and values to 16 bits, which the full forward does not: a second
     // rounding on top of the output's.
     const double output_rounding = std::is_same_v<T16, Eigen::half> ? 0x1p-11 : 0x1p-8;
-    const double error = relative_error(decoded, expected.output);
+    const double error = mha_test::error_of_largest(decoded, expected.output);
     INFO("decode error " << error);
     CHECK(error <= 1e-2);
     if (!randomised) CHECK(error <= 4 * output_rounding);

@@ -29,17 +29,6 @@ using mha::Tensor;
 
 namespace {
 
-// max |actual - expected| / max |expected|.
-template <class T>
-double error_of_largest(const Tensor<T>& actual, const Tensor<double>& expected) {
-  REQUIRE(actual.shape() == expected.shape());
-  const Tensor<double> widened = mha::tensor_cast<double>(actual);
-  REQUIRE(widened.flat().allFinite());
-  const double scale = expected.flat().cwiseAbs().maxCoeff();
-  REQUIRE(scale > 0);
-  return (widened.flat() - expected.flat()).cwiseAbs().maxCoeff() / scale;
-}
-
 template <class To, class From>
 MultiHeadAttention<To> converted(const MultiHeadAttention<From>& layer) {
   MultiHeadAttention<To> result(layer.config());
@@ -181,8 +170,8 @@ TEST_CASE("bf16 arithmetic stays within 1e-2 of float64, on every branch of its 
         layer.forward(query, key, value, float_options(wide_options, Precision::fp32));
     const auto bf16 =
         layer.forward(query, key, value, float_options(wide_options, Precision::bf16));
-    const double fp32_error = error_of_largest(fp32.output, expected.output);
-    const double bf16_error = error_of_largest(bf16.output, expected.output);
+    const double fp32_error = mha_test::error_of_largest(fp32.output, expected.output);
+    const double bf16_error = mha_test::error_of_largest(bf16.output, expected.output);
     INFO("fp32 error " << fp32_error << ", bf16 error " << bf16_error);
     CHECK(bf16_error <= 1e-2);
     if (available) {
@@ -190,7 +179,7 @@ TEST_CASE("bf16 arithmetic stays within 1e-2 of float64, on every branch of its 
       CHECK(bf16_error > 100 * fp32_error);
       if (wide_options.need_weights) {
         // The weights come from the reference kernel's fp32 products of bf16 projections.
-        CHECK(error_of_largest(bf16.attn_weights, expected.attn_weights) <= 1e-2);
+        CHECK(mha_test::error_of_largest(bf16.attn_weights, expected.attn_weights) <= 1e-2);
       }
     } else {
       CHECK(bf16.output.flat() == fp32.output.flat());
@@ -251,7 +240,7 @@ TEST_CASE("16-bit layers compute in bf16 too, within 1e-2 of float64", "[precisi
     options.need_weights = false;
     options.precision = Precision::bf16;
     const auto expected = same.forward(mha::tensor_cast<double>(x), wide_options);
-    CHECK(error_of_largest(narrow.forward(x, options).output, expected.output) <= 1e-2);
+    CHECK(mha_test::error_of_largest(narrow.forward(x, options).output, expected.output) <= 1e-2);
     const mha::FrozenMultiHeadAttention<T16> frozen(narrow);
     CHECK(frozen.forward(x, options).output.flat() == narrow.forward(x, options).output.flat());
   };
@@ -280,7 +269,7 @@ TEST_CASE("scaled_dot_product_attention in bf16 stays within 1e-2 of float64", "
   const auto qf = mha::tensor_cast<float>(q), kf = mha::tensor_cast<float>(k),
              vf = mha::tensor_cast<float>(v);
   const auto actual = mha::scaled_dot_product_attention(qf, kf, vf, options);
-  const double error = error_of_largest(actual.output, expected.output);
+  const double error = mha_test::error_of_largest(actual.output, expected.output);
   INFO("bf16 error " << error);
   CHECK(error <= 1e-2);
   if (mha::bf16_arithmetic_available()) CHECK(error > 1e-5);
@@ -344,7 +333,7 @@ TEST_CASE("a frozen layer decodes with bf16 projections within 1e-2 of float64",
       }
       first += count;
     }
-    const double error = error_of_largest(decoded, expected.output);
+    const double error = mha_test::error_of_largest(decoded, expected.output);
     INFO("error " << error);
     if (precision == Precision::fp32) {
       CHECK(error <= 1e-5);
@@ -471,7 +460,7 @@ TEST_CASE("a frozen layer with int8 weights stays within 2e-2 of float64, forwar
     const auto expected = wide.forward(mha::tensor_cast<double>(x), wide_options);
     const auto forward = frozen.forward(x, options);
     CHECK(forward.output.flat() == quantized.forward(x, options).output.flat());
-    const double forward_error = error_of_largest(forward.output, expected.output);
+    const double forward_error = mha_test::error_of_largest(forward.output, expected.output);
     INFO("forward error " << forward_error);
     CHECK(forward_error <= 2e-2);
     CHECK(forward_error > 1e-4);  // the weights did change
@@ -487,13 +476,13 @@ TEST_CASE("a frozen layer with int8 weights stays within 2e-2 of float64, forwar
       const auto out = frozen.decode(step, cache, step_options);
       // The same step by the quantized weights in float: rounding apart, the same.
       const auto same = quantized.decode(step, reference_cache, step_options);
-      CHECK(error_of_largest(out.output, mha::tensor_cast<double>(same.output)) <= 1e-5);
+      CHECK(mha_test::error_of_largest(out.output, mha::tensor_cast<double>(same.output)) <= 1e-5);
       for (Index b = 0; b < 3; ++b) {
         decoded[b].matrix().middleRows(first, count) = out.output[b].matrix();
       }
       first += count;
     }
-    const double decode_error = error_of_largest(decoded, expected.output);
+    const double decode_error = mha_test::error_of_largest(decoded, expected.output);
     INFO("decode error " << decode_error);
     CHECK(decode_error <= 2e-2);
   }
