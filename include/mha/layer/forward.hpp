@@ -243,7 +243,8 @@ void run_forward(const LayerParameters<T>& parameters, const ForwardPlan& plan,
   Index q_stride = inner, kv_stride = kv_width;
   // Precision::bf16 on this CPU (core_options decided it for the flash kernel): projection
   // `which` (3 = the output's) by a frozen layer's bf16 panels or by its weight packed at this
-  // call; else in fp32, on a frozen float layer's fp32 panels where it has them.
+  // call; else in fp32, on a frozen float layer's fp32 panels where it has them (and its int8
+  // values, FrozenWeights::int8, for a product of a few rows).
   const bool bf16 = core.bf16_products;
   workspace.bf16.forget();
   const auto route = [&](int which) {
