@@ -146,6 +146,8 @@ def mha_run_seeds():
                                                  window_left="3")
     seeds["opt_bad_values"] = with_metadata(num_heads="0", kernel="fast", softcap="inf")
     seeds["opt_num_kv_heads"] = with_metadata(num_kv_heads="2")
+    seeds["opt_precision_bf16"] = with_metadata(precision="bf16", need_weights="0")
+    seeds["opt_precision_bad"] = with_metadata(precision="fp16")
     # Parameters stored in 16 bits and in double (converted), the query in double.
     tensors = {}
     for name, entry in header.items():
