@@ -125,6 +125,29 @@ TEST_CASE("mha_run computes in bf16 with metadata precision = bf16", "[mha_run]"
   if (mha::bf16_arithmetic_available()) CHECK(error > 1e-4 * scale);
 }
 
+TEST_CASE("mha_run runs int8 weights with metadata weights = int8", "[mha_run]") {
+  // The layer on its weights quantized to int8 per output row: within 2e-2 of torch's largest
+  // output (the bound test_precision.cpp checks against float64), and not torch's fp32 bits.
+  const fs::path dir = scratch_dir();
+  const std::string name = "gqa_f32_kv2_kdim_vdim_bias_kv_zero_attn_per_head";
+  auto in = mha::io::read_safetensors(fixture(name + ".in.safetensors"));
+  in.metadata["weights"] = "int8";
+  mha::io::write_safetensors((dir / "int8.safetensors").string(), in);
+  const Run run = run_tool("'" + (dir / "int8.safetensors").string() + "' '" +
+                           (dir / "out.safetensors").string() + "'");
+  REQUIRE(run.exit_code == 0);
+  const auto actual = mha::io::read_safetensors((dir / "out.safetensors").string());
+  const auto expected = mha::io::read_safetensors(fixture(name + ".expected.safetensors"));
+  const auto output = mha::io::to_tensor<float>(actual.at("output"), "output");
+  const auto torch = mha::io::to_tensor<float>(expected.at("output"), "output");
+  REQUIRE(output.shape() == torch.shape());
+  const double scale = torch.flat().cwiseAbs().maxCoeff();
+  const double error = (output.flat() - torch.flat()).cwiseAbs().maxCoeff();
+  INFO("error " << error / scale << " of the largest output");
+  CHECK(error <= 2e-2 * scale);
+  CHECK(error > 1e-4 * scale);
+}
+
 namespace {
 
 // Gradients are compared as in test_reference.cpp: |a - e| <= rtol * (max|e| + |e|), rtol 1e-5 in
@@ -413,6 +436,13 @@ TEST_CASE("mha_run refuses bad input with exit code 1 and one line", "[mha_run][
   file = original;
   file.metadata["kernel"] = "flash";  // with need_weights = 1
   refused_with(file, "flash does not return attention weights");
+  file = original;
+  file.metadata["weights"] = "int4";
+  refused_with(file, "metadata 'weights': expected \"as_given\" or \"int8\", got \"int4\"");
+  file = original;
+  file.metadata["weights"] = "int8";
+  file.tensors["grad_output"] = file.tensors.at("query");
+  refused_with(file, "metadata 'weights': int8 weights are for inference");
   file = original;
   file.metadata["precision"] = "fp16";
   refused_with(file, "metadata 'precision': expected \"fp32\" or \"bf16\", got \"fp16\"");

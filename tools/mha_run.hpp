@@ -50,7 +50,10 @@ IN holds:
     (flash cannot return weights, so it needs need_weights "0");
     precision: fp32 (default) or bf16: the projections and the flash kernel's products with
     operands rounded to bf16 and fp32 sums, softmax in fp32 (within about 1e-2 of the largest
-    output; fp32 where the CPU lacks AVX512_BF16); without grad_output only.
+    output; fp32 where the CPU lacks AVX512_BF16); without grad_output only;
+    weights: as_given (default) or int8: the projection weights quantized to int8, one scale per
+    output row (FrozenWeights::int8: the layer runs on the quantized weights; F32 files without
+    grad_output only).
   Modern attention options in __metadata__, each optional; c below is the position key j is
   compared with: c = i (query i) with causal_alignment top_left, c = i + S - L with bottom_right.
   They apply to the S input keys only: the bias_k and zero-attention columns are never blocked by

@@ -48,6 +48,15 @@ Precision precision(const io::SafetensorsFile& file) {
                    "\"");
 }
 
+// weights: as_given (default) or int8 (a FrozenMultiHeadAttention with FrozenWeights::int8).
+FrozenWeights frozen_weights(const io::SafetensorsFile& file) {
+  const auto it = file.metadata.find("weights");
+  if (it == file.metadata.end() || it->second == "as_given") return FrozenWeights::as_given;
+  if (it->second == "int8") return FrozenWeights::int8;
+  throw ShapeError("metadata 'weights': expected \"as_given\" or \"int8\", got \"" + it->second +
+                   "\"");
+}
+
 // A positive integer under `key`, or 0 when the key is absent and not required.
 Index positive_integer(const io::SafetensorsFile& file, const std::string& key, bool required) {
   const auto it = file.metadata.find(key);
@@ -291,9 +300,20 @@ io::SafetensorsFile run_as(const io::SafetensorsFile& in) {
     out.tensors["output"] = io::from_tensor(result.output);
     if (options.need_weights) out.tensors["attn_weights"] = io::from_tensor(result.attn_weights);
   };
+  const FrozenWeights weights = frozen_weights(in);
   if (in.tensors.count("grad_output") == 0) {
-    write_forward(layer.forward(query, key, value, options));
+    if (weights == FrozenWeights::int8) {
+      write_forward(
+          FrozenMultiHeadAttention<T>(layer, weights).forward(query, key, value, options));
+    } else {
+      write_forward(layer.forward(query, key, value, options));
+    }
     return out;
+  }
+  if (weights != FrozenWeights::as_given) {
+    throw ShapeError(
+        "metadata 'weights': int8 weights are for inference; a file with grad_output "
+        "trains, so they are refused");
   }
 
   const Tensor<T> grad_output = read_input<T>(in, "grad_output");

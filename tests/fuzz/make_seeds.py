@@ -148,6 +148,7 @@ def mha_run_seeds():
     seeds["opt_num_kv_heads"] = with_metadata(num_kv_heads="2")
     seeds["opt_precision_bf16"] = with_metadata(precision="bf16", need_weights="0")
     seeds["opt_precision_bad"] = with_metadata(precision="fp16")
+    seeds["opt_weights_int8"] = with_metadata(weights="int8", precision="bf16")
     # Parameters stored in 16 bits and in double (converted), the query in double.
     tensors = {}
     for name, entry in header.items():
