@@ -126,6 +126,32 @@ __attribute__((target("avx512f,avx512bf16"))) float dot_chains_bf16(std::int64_t
 }
 constexpr double kBf16FlopsPerIteration = 16 * 16 * 4;
 
+// vpdpbusd: each 32-bit lane adds four u8 × s8 products, 8 operations.
+__attribute__((target("avx512f,avx512vnni"))) float dot_chains_int8(std::int64_t iterations) {
+  constexpr int kChains = 16;
+  __m512i acc[kChains];
+  MHA_UNROLL
+  for (int c = 0; c < kChains; ++c) acc[c] = _mm512_set1_epi32(c);
+  // Bytes 1 and 1: each instruction adds 4 per lane, so 2^29 iterations stay in range.
+  const __m512i a = _mm512_set1_epi8(1);
+  const __m512i b = _mm512_set1_epi8(1);
+  for (std::int64_t i = 0; i < iterations; ++i) {
+    MHA_UNROLL
+    for (int c = 0; c < kChains; ++c) acc[c] = _mm512_dpbusd_epi32(acc[c], a, b);
+  }
+  __m512i sum = acc[0];
+  for (int c = 1; c < kChains; ++c) sum = _mm512_add_epi32(sum, acc[c]);
+  return static_cast<float>(_mm512_reduce_add_epi32(sum));
+}
+constexpr double kInt8OpsPerIteration = 16 * 16 * 8;
+
+bool has_avx512_vnni() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__builtin_cpu_supports("avx512f")) return false;
+  if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) == 0) return false;
+  return (ecx & (1U << 11)) != 0;
+}
+
 bool has_avx512_bf16() {
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   if (!__builtin_cpu_supports("avx512f")) return false;
@@ -195,6 +221,18 @@ double bf16_peak_gflops(double seconds) {
   if (has_avx512_bf16()) {
     return 1e-9 * best_rate(seconds, [&](std::int64_t iterations) {
              return on_all_threads(dot_chains_bf16, iterations, kBf16FlopsPerIteration);
+           });
+  }
+#endif
+  static_cast<void>(seconds);
+  return 0;
+}
+
+double int8_peak_gops(double seconds) {
+#ifdef MHA_BENCH_X86
+  if (has_avx512_vnni()) {
+    return 1e-9 * best_rate(seconds, [&](std::int64_t iterations) {
+             return on_all_threads(dot_chains_int8, iterations, kInt8OpsPerIteration);
            });
   }
 #endif
@@ -286,6 +324,7 @@ Ceilings& ceilings() {
     Ceilings c;
     c.fma_gflops = fma_peak_gflops(0.3, &c.fma_isa);
     c.bf16_gflops = bf16_peak_gflops(0.3);
+    c.int8_gops = int8_peak_gops(0.3);
     c.read_gbs = memory_read_gbs(0.5);
     return c;
   }();

@@ -233,6 +233,17 @@ void ceiling_bf16(benchmark::State& state) {
   auto& ceilings = mha_bench::ceilings();
   ceilings.bf16_gflops = std::max(ceilings.bf16_gflops, best);
 }
+void ceiling_int8(benchmark::State& state) {
+  double best = 0;
+  for (auto _ : state) best = std::max(best, mha_bench::int8_peak_gops(0.2));
+  if (best == 0) {
+    state.SkipWithError("this CPU has no AVX512_VNNI");
+    return;
+  }
+  state.counters["GOPS"] = best;
+  auto& ceilings = mha_bench::ceilings();
+  ceilings.int8_gops = std::max(ceilings.int8_gops, best);
+}
 void ceiling_read(benchmark::State& state) {
   double best = 0;
   for (auto _ : state) best = std::max(best, mha_bench::memory_read_gbs(0.3));
@@ -863,6 +874,38 @@ void projection_bf16(benchmark::State& state) {
   state.counters["error_of_largest"] = error;
 }
 
+// The same product as int8 × int8 (kernels/int8_gemm.hpp's int8_gemm, `vpdpbusd`): W quantized
+// per output row and packed once before the timing, x quantized per row at every call.
+// of_int8_peak: the fraction of the int8 peak measured in this run (2 operations a
+// multiply-add, as GFLOPS counts them); error_of_largest as projection_bf16's.
+void projection_int8(benchmark::State& state) {
+  const mha::Index L = state.range(0), E = state.range(1), N = state.range(2);
+  if (!mha::detail::int8_dot_available()) {
+    state.SkipWithError("this CPU lacks AVX512_VNNI");
+    return;
+  }
+  const auto x = random_tensor({L, E}, 1), w = random_tensor({N, E}, 2);
+  mha::Tensor<float> dst({L, N});
+  mha::detail::Int8Weight quantized;
+  mha::detail::quantize_int8_weight(w.data(), N, E, E, quantized);
+  mha::detail::Int8PackedWeight packed;
+  mha::detail::pack_int8_weight(quantized, packed);
+  mha::detail::Int8Scratch scratch;
+  const auto multiply = [&] {
+    mha::detail::int8_gemm(x.data(), L, E, packed, dst.data(), N, scratch);
+  };
+  multiply();
+  const mha::Matrix<double> exact =
+      x.matrix().cast<double>() * w.matrix().cast<double>().transpose();
+  const double error =
+      (dst.matrix().cast<double>() - exact).cwiseAbs().maxCoeff() / exact.cwiseAbs().maxCoeff();
+  time_calls(state, multiply, dst.data(),
+             2.0 * static_cast<double>(L) * static_cast<double>(E) * static_cast<double>(N));
+  state.counters["of_int8_peak"] =
+      state.counters["GFLOPS"] / std::max(mha_bench::ceilings().int8_gops, 1e-9);
+  state.counters["error_of_largest"] = error;
+}
+
 // The AVX-512 micro-kernel's two tiles alone (kernels/packed_gemm.hpp's micro_tile_avx512): 6 x 32
 // (one panel of A) and 12 x 32 (two), rows = range(0), over 72 packed rows of A and B_cols =
 // range(1) packed columns at the depth of a slice (kKc = 256), as multiply_panels sweeps them:
@@ -1077,6 +1120,7 @@ void bf16_shapes(benchmark::internal::Benchmark* b) {
 
 BENCHMARK(ceiling_fma)->Name("ceiling/fma_peak")->Iterations(3)->Unit(benchmark::kMillisecond);
 BENCHMARK(ceiling_bf16)->Name("ceiling/bf16_peak")->Iterations(3)->Unit(benchmark::kMillisecond);
+BENCHMARK(ceiling_int8)->Name("ceiling/int8_peak")->Iterations(3)->Unit(benchmark::kMillisecond);
 BENCHMARK(ceiling_read)->Name("ceiling/memory_read")->Iterations(3)->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(forward, reference, mha::Kernel::reference)
     ->Name("forward/reference")
@@ -1107,6 +1151,16 @@ void forward_bf16(benchmark::State& state, bool frozen) {
   state.counters["of_bf16_peak"] =
       state.counters["GFLOPS"] / std::max(mha_bench::ceilings().bf16_gflops, 1e-9);
 }
+// A FrozenMultiHeadAttention with FrozenWeights::int8, its projections as int8 × int8 products
+// (Precision::int8); against forward_frozen/auto of the same run.
+void forward_int8_frozen(benchmark::State& state) {
+  if (!mha::detail::int8_dot_available()) {
+    state.SkipWithError("this CPU lacks AVX512_VNNI");
+    return;
+  }
+  forward<Int8Frozen>(state, mha::Kernel::automatic, false, mha::Precision::int8);
+}
+BENCHMARK(forward_int8_frozen)->Name("forward_int8_frozen/auto")->Apply(bf16_shapes);
 BENCHMARK_CAPTURE(forward_bf16, layer, false)->Name("forward_bf16/auto")->Apply(bf16_shapes);
 BENCHMARK_CAPTURE(forward_bf16, frozen, true)->Name("forward_bf16_frozen/auto")->Apply(bf16_shapes);
 BENCHMARK_CAPTURE(forward, fresh, mha::Kernel::automatic, true)
@@ -1271,6 +1325,7 @@ void projection_shapes(benchmark::internal::Benchmark* b) {
 BENCHMARK(projection)->Name("projection")->Apply(projection_shapes);
 BENCHMARK(projection_prepacked)->Name("projection_prepacked")->Apply(projection_shapes);
 BENCHMARK(projection_bf16)->Name("projection_bf16")->Apply(projection_shapes);
+BENCHMARK(projection_int8)->Name("projection_int8")->Apply(projection_shapes);
 BENCHMARK_CAPTURE(decode_scores, blocks, false)
     ->Name("decode_scores/blocks")
     ->ArgNames({"rows", "keys", "D"})
@@ -1330,6 +1385,7 @@ int main(int argc, char** argv) {
   benchmark::AddCustomContext("fma_peak_GFLOPS",
                               std::to_string(ceilings.fma_gflops) + " (" + ceilings.fma_isa + ")");
   benchmark::AddCustomContext("bf16_peak_GFLOPS", std::to_string(ceilings.bf16_gflops));
+  benchmark::AddCustomContext("int8_peak_GOPS", std::to_string(ceilings.int8_gops));
   benchmark::AddCustomContext("memory_read_GB_per_s", std::to_string(ceilings.read_gbs));
   benchmark::AddCustomContext("command", command);
   benchmark::AddCustomContext("environment", environment());

@@ -445,7 +445,7 @@ TEST_CASE("mha_run refuses bad input with exit code 1 and one line", "[mha_run][
   refused_with(file, "metadata 'weights': int8 weights are for inference");
   file = original;
   file.metadata["precision"] = "fp16";
-  refused_with(file, "metadata 'precision': expected \"fp32\" or \"bf16\", got \"fp16\"");
+  refused_with(file, "metadata 'precision': expected \"fp32\", \"bf16\" or \"int8\", got \"fp16\"");
   file = original;
   file.metadata["precision"] = "bf16";
   file.tensors["grad_output"] = file.tensors.at("query");

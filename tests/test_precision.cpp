@@ -504,3 +504,140 @@ TEST_CASE("int8 weights are refused for 16-bit layers and non-finite weights",
                            }),
                            "out_proj.weight is not finite"));
 }
+
+TEST_CASE("int8 x int8 products: rows quantized alike by both forms, products as double's",
+          "[precision][int8]") {
+  // quantize_row_int8 (scalar) against the AVX-512 form, bytes and scales, with tails, a row of
+  // zeros, one too small to scale and one holding an infinity.
+  for (const Index cols : {1, 5, 16, 37, 1031}) {
+    INFO(cols << " columns");
+    auto rows = mha_test::random_tensor<float>({4, cols}, 91);
+    for (Index k = 0; k < cols; ++k) {
+      rows.data()[cols + k] = 0.0F;
+      rows.data()[2 * cols + k] = 1e-38F;
+    }
+    rows.data()[3 * cols + cols / 2] = std::numeric_limits<float>::infinity();
+    for (Index i = 0; i < 4; ++i) {
+      const Index bytes = 4 * mha::detail::int8_quads(cols);
+      std::vector<std::uint8_t> scalar(static_cast<std::size_t>(bytes), 7);
+      const float scale =
+          mha::detail::quantize_row_int8(rows.data() + i * cols, cols, scalar.data());
+      if (i == 1 || i == 2) CHECK(scale == 0.0F);
+      if (i == 3) CHECK(std::isnan(scale));
+#ifdef MHA_PACKED_GEMM_X86
+      if (mha::detail::cpu_has_avx512f()) {
+        std::vector<std::uint8_t> vector(scalar.size(), 7);
+        const float vector_scale =
+            mha::detail::quantize_row_int8_avx512(rows.data() + i * cols, cols, vector.data());
+        CHECK(vector == scalar);
+        CHECK((vector_scale == scale || (std::isnan(vector_scale) && std::isnan(scale))));
+      }
+#endif
+    }
+  }
+  if (!mha::detail::int8_dot_available()) {
+    WARN("this CPU lacks AVX512_VNNI: the int8 x int8 products are not run");
+    return;
+  }
+  for (const Index rows : {1, 7, 64}) {
+    for (const Index outputs : {16, 45, 300}) {
+      for (const Index depth : {7, 512, 1031}) {
+        INFO(rows << " rows, " << outputs << " outputs, depth " << depth);
+        const Index x_stride = depth + 3, ld = outputs + 2;
+        const auto x = mha_test::random_tensor<float>({rows, x_stride}, 92);
+        const auto w = mha_test::random_tensor<float>({outputs, depth}, 93);
+        mha::detail::Int8Weight q;
+        mha::detail::quantize_int8_weight(w.data(), outputs, depth, depth, q);
+        mha::detail::Int8PackedWeight packed;
+        mha::detail::pack_int8_weight(q, packed);
+        mha::detail::Int8Scratch scratch;
+        std::vector<float> dst(static_cast<std::size_t>(rows * ld), -7.0F);
+        mha::detail::int8_gemm(x.data(), rows, x_stride, packed, dst.data(), ld, scratch);
+        bool close = true, untouched = true;
+        std::vector<std::uint8_t> levels(
+            static_cast<std::size_t>(4 * mha::detail::int8_quads(depth)));
+        for (Index i = 0; i < rows; ++i) {
+          const double row_scale =
+              mha::detail::quantize_row_int8(x.data() + i * x_stride, depth, levels.data());
+          for (Index j = 0; j < ld; ++j) {
+            const double actual = dst[static_cast<std::size_t>(i * ld + j)];
+            if (j >= outputs) {
+              untouched = untouched && actual == -7.0;
+              continue;
+            }
+            double sum = 0;
+            for (Index k = 0; k < depth; ++k) {
+              sum += (static_cast<double>(levels[static_cast<std::size_t>(k)]) - 128) *
+                     static_cast<double>(q.values[static_cast<std::size_t>(j * depth + k)]);
+            }
+            const double expected =
+                sum * static_cast<double>(q.scales[static_cast<std::size_t>(j)]) * row_scale;
+            // The int32 sum exact, then its conversion and two fp32 multiplications.
+            close =
+                close && std::abs(actual - expected) <= 4 * 0x1p-24 * std::abs(expected) + 1e-30;
+          }
+        }
+        CHECK(close);
+        CHECK(untouched);
+#ifdef _OPENMP
+        const int threads_before = omp_get_max_threads();
+        std::vector<float> three(dst.size(), -7.0F);
+        omp_set_num_threads(3);
+        mha::detail::int8_gemm(x.data(), rows, x_stride, packed, three.data(), ld, scratch);
+        omp_set_num_threads(threads_before);
+        CHECK(three == dst);
+#endif
+      }
+    }
+  }
+}
+
+TEST_CASE("Precision::int8 on a frozen layer with int8 weights stays within 2e-2 of float64",
+          "[precision][int8]") {
+  MultiHeadAttentionConfig config(256, 4);
+  config.seed = 95;
+  const MultiHeadAttention<float> layer(config);
+  const MultiHeadAttention<double> wide = converted<double>(layer);
+  const mha::FrozenMultiHeadAttention<float> frozen(layer, mha::FrozenWeights::int8);
+  const auto x = mha_test::random_tensor<float>({2, 100, 256}, 96);
+  ForwardOptions<double> wide_options;
+  wide_options.need_weights = false;
+  wide_options.is_causal = true;
+  const auto expected = wide.forward(mha::tensor_cast<double>(x), wide_options);
+  ForwardOptions<float> options;
+  options.need_weights = false;
+  options.is_causal = true;
+  const auto weight_only = frozen.forward(x, options);
+  options.precision = Precision::int8;
+  const auto int8 = frozen.forward(x, options);
+  const double error = mha_test::error_of_largest(int8.output, expected.output);
+  INFO("int8 error " << error << ", weight-only "
+                     << mha_test::error_of_largest(weight_only.output, expected.output));
+  CHECK(error <= 2e-2);
+  if (mha::detail::int8_dot_available()) {
+    CHECK(int8.output.flat() != weight_only.output.flat());
+  } else {
+    CHECK(int8.output.flat() == weight_only.output.flat());
+  }
+  // Decoding a prompt of 100 rows (int8 x int8), then one token (the int8 values).
+  auto cache = layer.make_kv_cache(2, 101);
+  auto step_options = MultiHeadAttention<float>::decode_options();
+  step_options.precision = Precision::int8;
+  const auto prompt = frozen.decode(x, cache, step_options);
+  CHECK(mha_test::error_of_largest(prompt.output, expected.output) <= 2e-2);
+  // Refused: a layer without int8 weights, attention alone.
+  CHECK(mha_test::contains(
+      mha_test::message_of<std::invalid_argument>([&] { layer.forward(x, options); }),
+      "FrozenWeights::int8"));
+  const mha::FrozenMultiHeadAttention<float> plain(layer);
+  CHECK(mha_test::contains(
+      mha_test::message_of<std::invalid_argument>([&] { plain.forward(x, options); }),
+      "FrozenWeights::int8"));
+  mha::AttentionOptions<float> attention_options;
+  attention_options.precision = Precision::int8;
+  const auto q = mha_test::random_tensor<float>({2, 8, 16}, 97);
+  CHECK(mha_test::contains(mha_test::message_of<std::invalid_argument>([&] {
+                             mha::scaled_dot_product_attention(q, q, q, attention_options);
+                           }),
+                           "precision"));
+}

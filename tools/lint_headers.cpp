@@ -31,6 +31,7 @@
 #include "mha/kernels/flash_panels.hpp"
 #include "mha/kernels/flash_small_head.hpp"
 #include "mha/kernels/gemm.hpp"
+#include "mha/kernels/int8_gemm.hpp"
 #include "mha/kernels/int8_weights.hpp"
 #include "mha/kernels/packed_gemm.hpp"
 #include "mha/kernels/prepacked_gemm.hpp"

@@ -48,9 +48,11 @@ IN holds:
     top-left causal mask, key j > query i blocked, is applied on top of any attn_mask);
     kernel: auto (default: flash without weights, reference with), reference or flash
     (flash cannot return weights, so it needs need_weights "0");
-    precision: fp32 (default) or bf16: the projections and the flash kernel's products with
-    operands rounded to bf16 and fp32 sums, softmax in fp32 (within about 1e-2 of the largest
-    output; fp32 where the CPU lacks AVX512_BF16); without grad_output only;
+    precision: fp32 (default), bf16 or int8: bf16 runs the projections and the flash kernel's
+    products with operands rounded to bf16 and fp32 sums, softmax in fp32 (within about 1e-2 of
+    the largest output; fp32 where the CPU lacks AVX512_BF16); int8 (with weights int8) the
+    projections as int8 x int8 products, the inputs' rows quantized per row (fp32 on the
+    quantized weights where the CPU lacks AVX512_VNNI); without grad_output only;
     weights: as_given (default) or int8: the projection weights quantized to int8, one scale per
     output row (FrozenWeights::int8: the layer runs on the quantized weights; F32 files without
     grad_output only).

@@ -45,12 +45,25 @@ inline const char* kernel_name(Kernel kernel) {
 //                    AVX512_BF16); scores, softmax, running max and sums, biases and the output
 //                    in fp32, rounded once to the layer's type. Where the CPU lacks the
 //                    instruction (bf16_arithmetic_available()), the call computes in fp32.
+//   Precision::int8  the projections as int8 × int8 products (`vpdpbusd`, AVX512_VNNI) of the
+//                    weights' int8 values and the inputs' rows quantized at the call, one scale
+//                    per row (dynamic quantization, as ONNX Runtime's); only for a
+//                    FrozenMultiHeadAttention made with FrozenWeights::int8 (others refuse it);
+//                    the attention in fp32. Where the CPU lacks the instruction, the projections
+//                    run on the quantized weights in fp32.
 // bf16 keeps 8 significant bits: outputs within about 1e-2 of the largest output (tested against
-// float64), as PyTorch's bf16 autocast on CPU.
-enum class Precision { fp32, bf16 };
+// float64), as PyTorch's bf16 autocast on CPU; int8 within 2e-2.
+enum class Precision { fp32, bf16, int8 };
 
 inline const char* precision_name(Precision precision) {
-  return precision == Precision::bf16 ? "bf16" : "fp32";
+  switch (precision) {
+    case Precision::bf16:
+      return "bf16";
+    case Precision::int8:
+      return "int8";
+    default:
+      return "fp32";
+  }
 }
 
 // Whether Precision::bf16 computes in bf16 on this CPU (else in fp32).
@@ -60,13 +73,14 @@ inline bool bf16_arithmetic_available() {
 
 namespace detail {
 
-// Precision::bf16 is for float computations (float and 16-bit layers, float attention): a double
-// computation refuses it rather than compute in double what was asked in bf16.
+// Precision::bf16 and int8 are for float computations (float and 16-bit layers, float
+// attention): a double computation refuses them rather than compute in double what was asked
+// in less.
 template <class Compute>
 void check_precision(Precision precision) {
   if (std::is_same_v<Compute, double> && precision != Precision::fp32) {
-    throw_argument("precision", std::string("bf16 arithmetic is for float computations; this one "
-                                            "is in double, got ") +
+    throw_argument("precision", std::string("reduced precision is for float computations; this "
+                                            "one is in double, got ") +
                                     precision_name(precision));
   }
 }
@@ -350,6 +364,11 @@ AttentionProblem<T> attention_problem(const TensorView<const T>& query,
   problem.kernel = resolve_kernel(options.kernel, options.need_weights);
   check_dropout(options.dropout);
   check_precision<T>(options.precision);
+  if (options.precision == Precision::int8) {
+    throw_argument("precision",
+                   "int8 products are for the projections of a layer with int8 "
+                   "weights; attention alone computes in fp32 or bf16");
+  }
   CoreOptions<T>& core = problem.core;
   core.scale = options.scale ? *options.scale : T(1) / std::sqrt(static_cast<T>(problem.head_dim));
   if (!std::isfinite(core.scale)) {

@@ -25,6 +25,7 @@
 #include "mha/kernels/bf16_projection.hpp"
 #include "mha/kernels/common.hpp"
 #include "mha/kernels/decode.hpp"
+#include "mha/kernels/int8_gemm.hpp"
 #include "mha/rotary.hpp"
 #include "mha/tensor.hpp"
 
@@ -173,8 +174,9 @@ class KVCache {
   // The decoding kernel's sequences and buffers (kernels/decode.hpp).
   std::vector<detail::DecodeSequence<T>> decode_sequences_;
   detail::DecodeScratch decode_;
-  // Precision::bf16's projections of a step (layer/projections.hpp).
+  // Precision::bf16's and int8's projections of a step (layer/projections.hpp).
   detail::Bf16Scratch bf16_;
+  detail::Int8Scratch int8_;
 };
 
 }  // namespace mha

@@ -51,18 +51,22 @@ ForwardResult<T> Decoding<T>::step(const LayerParameters<T>& parameters,
   const Index width = parameters.kv_dim(), inner = parameters.inner_dim();
   const Index batch = cache.batch();
   const Index steps = check(parameters, x, cache, options, new_tokens);
-  if (options.precision == Precision::bf16 && packed == nullptr) {
+  if (options.precision != Precision::fp32 && packed == nullptr) {
     throw_argument("precision",
-                   "decode computes in bf16 on weights packed once, which a layer does not keep "
-                   "(it would pack them at every step): decode through a "
-                   "FrozenMultiHeadAttention, or with Precision::fp32");
+                   std::string("decode computes in ") + precision_name(options.precision) +
+                       " on weights packed once, which a layer does not keep (it would pack them "
+                       "at every step): decode through a FrozenMultiHeadAttention, or with "
+                       "Precision::fp32");
   }
   // A frozen layer's projections by its packings: in bf16 by its bf16 panels (where the CPU has
-  // AVX512_BF16), or in fp32 by its int8 weights (FrozenWeights::int8); the attention over the
-  // cache stays fp32, bound by reading the cache rather than by products.
-  const bool bf16 = options.precision == Precision::bf16 && bf16_arithmetic_available();
+  // AVX512_BF16), in int8 by its int8 panels, or by its int8 values for a few rows
+  // (FrozenWeights::int8); the attention over the cache stays fp32, bound by reading the cache
+  // rather than by products.
+  const ProjectionArithmetic arithmetic = projection_arithmetic(options.precision, packed);
   cache.bf16_.forget();
-  const auto route = [&](int which) { return projection_route(packed, bf16, cache.bf16_, which); };
+  const auto route = [&](int which) {
+    return projection_route(packed, arithmetic, cache.bf16_, cache.int8_, which);
+  };
   const Kernel kernel = layer_kernel(parameters, options.kernel, false);
   const Index rotary_dim = options.rope ? checked_rotary_dim(*options.rope, head_dim) : 0;
   CoreOptions<Compute> core;

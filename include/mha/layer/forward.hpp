@@ -241,14 +241,16 @@ void run_forward(const LayerParameters<T>& parameters, const ForwardPlan& plan,
   Compute* k_data;
   Compute* v_data;
   Index q_stride = inner, kv_stride = kv_width;
-  // Precision::bf16 on this CPU (core_options decided it for the flash kernel): projection
-  // `which` (3 = the output's) by a frozen layer's bf16 panels or by its weight packed at this
-  // call; else in fp32, on a frozen float layer's fp32 panels where it has them (and its int8
-  // values, FrozenWeights::int8, for a product of a few rows).
-  const bool bf16 = core.bf16_products;
+  // The projections' arithmetic (refusing Precision::int8 without int8 weights, before anything
+  // is computed): projection `which` (3 = the output's) in bf16 by a frozen layer's bf16 panels
+  // or by its weight packed at this call; in int8 by a frozen layer's int8 panels; else in fp32,
+  // on a frozen float layer's fp32 panels where it has them (and its int8 values,
+  // FrozenWeights::int8, for a product of a few rows).
+  const ProjectionArithmetic arithmetic = projection_arithmetic(options.precision, packed);
+  const bool bf16 = arithmetic == ProjectionArithmetic::bf16;
   workspace.bf16.forget();
   const auto route = [&](int which) {
-    return projection_route(packed, bf16, workspace.bf16, which);
+    return projection_route(packed, arithmetic, workspace.bf16, workspace.int8, which);
   };
   if (plan.fused) {
     // [B*L, H·D + 2·H_kv·D]: heads read q, k and v at their column offsets.
@@ -260,7 +262,8 @@ void run_forward(const LayerParameters<T>& parameters, const ForwardPlan& plan,
         packed != nullptr &&
         (bf16 ? !packed->bf16_query.empty()
               : runs_prepacked(packed->query, qkv.rows()) ||
-                    (!packed->int8_query.empty() && few_rows_product(qkv.rows(), inner)));
+                    (!packed->int8_query.empty() && few_rows_product(qkv.rows(), inner)) ||
+                    arithmetic == ProjectionArithmetic::int8);
     if (per_projection) {
       // Three products into qkv's column blocks: an element's sums are the same wherever the
       // columns are cut.

@@ -9,6 +9,7 @@
 #include "mha/attention.hpp"
 #include "mha/kernels/bf16_projection.hpp"
 #include "mha/kernels/common.hpp"
+#include "mha/kernels/int8_gemm.hpp"
 #include "mha/mask.hpp"
 #include "mha/rotary.hpp"
 #include "mha/tensor.hpp"
@@ -58,8 +59,9 @@ struct ForwardOptions {
   Kernel kernel = Kernel::automatic;
   // The products' arithmetic (see Precision in attention.hpp): bf16 rounds the operands of the
   // projections and of the flash kernel's products (float and 16-bit layers alike; the reference
-  // kernel, which returns weights, and the small-head kernel, D <= 16, keep fp32). forward only:
-  // forward_train and decode refuse it.
+  // kernel, which returns weights, and the small-head kernel, D <= 16, keep fp32); int8 runs the
+  // projections of a frozen layer with int8 weights as int8 × int8 products. forward_train
+  // refuses both, a MultiHeadAttention's decode too (a frozen layer's takes them).
   Precision precision = Precision::fp32;
   // Refuse NaN and Inf in the inputs (query, key, value; decode's x) and NaN and +inf in additive
   // masks, with a NonFiniteError naming the tensor and the first bad element, before anything is
@@ -94,8 +96,10 @@ struct Workspace {
   Tensor<Compute> weights;
   detail::RopeTable<Compute> rope_queries, rope_keys;
   std::vector<detail::KernelScratch<Compute>> kernel;  // one per thread
-  // Precision::bf16: a weight packed for this call, and the rows being projected.
+  // Precision::bf16: a weight packed for this call, and the rows being projected; int8: the rows
+  // quantized.
   detail::Bf16Scratch bf16;
+  detail::Int8Scratch int8;
 };
 
 }  // namespace mha

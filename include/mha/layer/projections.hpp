@@ -12,6 +12,7 @@
 
 #include <type_traits>
 
+#include "mha/attention.hpp"
 #include "mha/kernels/bf16_projection.hpp"
 #include "mha/kernels/convert.hpp"
 #include "mha/kernels/gemm.hpp"
@@ -46,8 +47,10 @@ struct PackedProjections {
   PackedWeight query, key, value, output;
   Bf16PackedWeight bf16_query, bf16_key, bf16_value, bf16_output;
   // A frozen layer with int8 weights (FrozenWeights::int8): the int8 values and scales whose Ŵ
-  // the weights above were packed from, for the products of a few rows. Empty otherwise.
+  // the weights above were packed from, for the products of a few rows, and (where the CPU has
+  // AVX512_VNNI) as panels for Precision::int8's products. Empty otherwise.
   Int8Weight int8_query, int8_key, int8_value, int8_output;
+  Int8PackedWeight int8_panels_query, int8_panels_key, int8_panels_value, int8_panels_output;
 
   const PackedWeight& input(int which) const {
     return which == 0 ? query : which == 1 ? key : value;
@@ -55,8 +58,14 @@ struct PackedProjections {
   const Bf16PackedWeight& bf16_input(int which) const {
     return which == 0 ? bf16_query : which == 1 ? bf16_key : bf16_value;
   }
-  const Int8Weight& int8_input(int which) const {
-    return which == 0 ? int8_query : which == 1 ? int8_key : int8_value;
+  const Int8Weight& int8_weight(int which) const {
+    return which == 0 ? int8_query : which == 1 ? int8_key : which == 2 ? int8_value : int8_output;
+  }
+  const Int8PackedWeight& int8_panels(int which) const {
+    return which == 0   ? int8_panels_query
+           : which == 1 ? int8_panels_key
+           : which == 2 ? int8_panels_value
+                        : int8_panels_output;
   }
 
   template <class T>
@@ -83,33 +92,61 @@ struct PackedProjections {
   }
 };
 
+// The arithmetic one call's projections run in, after what the CPU offers: fp32; bf16
+// (Precision::bf16 with AVX512_BF16); int8 (Precision::int8 on a frozen layer's int8 panels,
+// with AVX512_VNNI; without it the layer's quantized weights in fp32).
+enum class ProjectionArithmetic { fp32, bf16, int8 };
+
+// The arithmetic of a call with `precision` on `packed` (null: a layer's own weights). Refuses
+// Precision::int8 where there are no int8 weights.
+inline ProjectionArithmetic projection_arithmetic(Precision precision,
+                                                  const PackedProjections* packed) {
+  if (precision == Precision::int8) {
+    if (packed == nullptr || packed->int8_output.empty()) {
+      throw_argument("precision",
+                     "int8 products need int8 weights: a FrozenMultiHeadAttention made with "
+                     "FrozenWeights::int8");
+    }
+    return int8_dot_available() ? ProjectionArithmetic::int8 : ProjectionArithmetic::fp32;
+  }
+  if (precision == Precision::bf16 && bf16_dot_available()) return ProjectionArithmetic::bf16;
+  return ProjectionArithmetic::fp32;
+}
+
 // How one call's projections multiply: in fp32 by W or its packed panels (`packed`, a frozen
-// float layer's), or, with `bf16` set (Precision::bf16 on a CPU with AVX512_BF16), in bf16 by W's
-// bf16 panels: a frozen layer's (`bf16_packed`), else packed at the call into *bf16.
+// float layer's), or by its int8 values for a few rows (`int8`, FrozenWeights::int8); with `bf16`
+// set, in bf16 by W's bf16 panels: a frozen layer's (`bf16_packed`), else packed at the call into
+// *bf16; with `int8_panels` set, int8 × int8 (rows of a few: the int8 values, as `int8`).
 struct ProjectionRoute {
   const PackedWeight* packed = nullptr;
   Bf16Scratch* bf16 = nullptr;
   const Bf16PackedWeight* bf16_packed = nullptr;
-  // fp32 with int8 weights (a frozen layer's): products of a few rows read the int8 values.
   const Int8Weight* int8 = nullptr;
+  const Int8PackedWeight* int8_panels = nullptr;
+  Int8Scratch* int8_scratch = nullptr;
 };
 
-// The route of projection `which` (0, 1, 2 for q, k, v; 3 for the output) in one call: with bf16
-// (Precision::bf16 on a CPU with AVX512_BF16), on `scratch`, by a frozen layer's bf16 panels
-// where `packed` has them, else by W packed at the call; else fp32, on a frozen float layer's
-// fp32 panels where `packed` has them.
-inline ProjectionRoute projection_route(const PackedProjections* packed, bool bf16,
-                                        Bf16Scratch& scratch, int which) {
+// The route of projection `which` (0, 1, 2 for q, k, v; 3 for the output) in one call, on the
+// call's scratch (a Workspace's, or a cache's for decode): bf16 by a frozen layer's bf16 panels
+// where `packed` has them, else by W packed at the call; int8 by its int8 panels; fp32 by its fp32
+// panels where `packed` has them; and for a few rows, outside bf16, its int8 values where it has
+// them.
+inline ProjectionRoute projection_route(const PackedProjections* packed,
+                                        ProjectionArithmetic arithmetic, Bf16Scratch& bf16,
+                                        Int8Scratch& int8, int which) {
   ProjectionRoute route;
-  if (bf16) route.bf16 = &scratch;
+  if (arithmetic == ProjectionArithmetic::bf16) route.bf16 = &bf16;
   if (packed == nullptr) return route;
-  if (bf16) {
+  if (arithmetic == ProjectionArithmetic::bf16) {
     const Bf16PackedWeight& weight = which == 3 ? packed->bf16_output : packed->bf16_input(which);
     if (!weight.empty()) route.bf16_packed = &weight;
-  } else {
-    route.packed = which == 3 ? &packed->output : &packed->input(which);
-    const Int8Weight& int8 = which == 3 ? packed->int8_output : packed->int8_input(which);
-    if (!int8.empty()) route.int8 = &int8;
+    return route;
+  }
+  route.packed = which == 3 ? &packed->output : &packed->input(which);
+  if (!packed->int8_weight(which).empty()) route.int8 = &packed->int8_weight(which);
+  if (arithmetic == ProjectionArithmetic::int8 && !packed->int8_panels(which).empty()) {
+    route.int8_panels = &packed->int8_panels(which);
+    route.int8_scratch = &int8;
   }
   return route;
 }
@@ -135,6 +172,11 @@ void project_rows(StridedMap<Compute> dst, ConstStridedMap<Compute> lhs,
     if (route.int8 != nullptr && few_rows_product(dst.rows(), dst.cols())) {
       int8_product(lhs.data(), lhs.rows(), lhs.outerStride(), *route.int8, dst.data(),
                    dst.outerStride());
+      return;
+    }
+    if (route.int8_panels != nullptr) {
+      int8_gemm(lhs.data(), lhs.rows(), lhs.outerStride(), *route.int8_panels, dst.data(),
+                dst.outerStride(), *route.int8_scratch);
       return;
     }
     if (route.packed != nullptr && runs_prepacked(*route.packed, dst.rows())) {
