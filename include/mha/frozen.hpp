@@ -155,12 +155,14 @@ class FrozenMultiHeadAttention {
       part.scales.assign(whole.scales.begin() + first, whole.scales.begin() + first + rows);
     }
     packed_.int8_output = std::move(int8.at("out_proj.weight"));
-    // Precision::int8's panels, where the CPU runs their products.
+    // Precision::int8's panels, where the CPU runs their products and their int32 sums cannot
+    // overflow.
     if (detail::int8_dot_available()) {
       detail::Int8PackedWeight* panels[] = {&packed_.int8_panels_query, &packed_.int8_panels_key,
                                             &packed_.int8_panels_value,
                                             &packed_.int8_panels_output};
       for (int which = 0; which < 4; ++which) {
+        if (packed_.int8_weight(which).depth > detail::kInt8MaxDepth) continue;
         detail::pack_int8_weight(packed_.int8_weight(which), *panels[which]);
       }
     }

@@ -3,10 +3,11 @@
 // each row of x quantized at the call, symmetric, one scale per row (per token):
 //   x[i][k] ≈ s_x[i] · q_x[i][k],  q_x in [-127, 127],  s_x[i] = max_k |x[i][k]| / 127
 //   y[i][j] = s_x[i] · scale_w[j] · Σ_k q_x[i][k] · q_w[j][k]
-// The sums are exact in int32 (|q_x · q_w| <= 127², K < 2^17). `vpdpbusd` multiplies unsigned
-// by signed bytes, so x is stored as q_x + 128 (0 .. 254) and each output subtracts
-// 128 · Σ_k q_w[j][k], its column sum, before the scales: every product four at a time in each
-// 32-bit lane, four times the fp32 FMA's multiply-adds per instruction.
+// `vpdpbusd` multiplies unsigned by signed bytes, so x is stored as q_x + 128 (1 .. 255) and each
+// output's sum starts from -128 · Σ_k q_w[j][k]: every product four at a time in each 32-bit
+// lane, four times the fp32 FMA's multiply-adds per instruction. The sums are exact in int32
+// while every partial sum stays below 2^31: (128 + 255) · 127 · K < 2^31 for K up to
+// kInt8MaxDepth.
 //
 // Layouts (as bf16_gemm.hpp's, with quads for pairs): x as rows of quads (lane p of row i holds
 // bytes 4p .. 4p + 3, an unfinished quad padded with 128, the zero of q_x), rows up to the next
@@ -48,18 +49,21 @@ inline bool int8_dot_available() {
 #endif
 }
 
+// The deepest product whose int32 sums cannot overflow (see the top).
+constexpr Index kInt8MaxDepth = 32768;
+
 // Quads of a K-deep product.
 inline Index int8_quads(Index depth) {
   return (depth + 3) / 4;
 }
 
-// A weight's int8 values as panels of 16 outputs, with the column sums and scales the epilogue
-// needs.
+// A weight's int8 values as panels of 16 outputs, with the offsets (of x's storage as q_x + 128,
+// which the sums start from) and the scales the epilogue needs.
 struct Int8PackedWeight {
   Index outputs = 0, depth = 0;
   std::vector<std::uint32_t, Eigen::aligned_allocator<std::uint32_t>> panels;
-  std::vector<std::int32_t> column_sums;  // [outputs padded to 16]: Σ_k q_w[j][k]
-  std::vector<float> scales;              // [outputs padded to 16]: scale_w[j], 0 past the last
+  std::vector<std::int32_t> offsets;  // [outputs padded to 16]: -128 · Σ_k q_w[j][k]
+  std::vector<float> scales;          // [outputs padded to 16]: scale_w[j], 0 past the last
 
   bool empty() const { return panels.empty(); }
   Index panel_stride() const { return int8_quads(depth) * Int8GemmShape::kNr; }
@@ -73,7 +77,7 @@ inline void pack_int8_weight(const Int8Weight& w, Int8PackedWeight& packed) {
   packed.outputs = w.outputs;
   packed.depth = w.depth;
   packed.panels.assign(static_cast<std::size_t>(panels * quads * kNr), 0U);
-  packed.column_sums.assign(static_cast<std::size_t>(panels * kNr), 0);
+  packed.offsets.assign(static_cast<std::size_t>(panels * kNr), 0);
   packed.scales.assign(static_cast<std::size_t>(panels * kNr), 0.0F);
   for (Index j = 0; j < w.outputs; ++j) {
     const std::int8_t* row = w.values.data() + j * w.depth;
@@ -88,7 +92,7 @@ inline void pack_int8_weight(const Int8Weight& w, Int8PackedWeight& packed) {
       }
       packed.panels[static_cast<std::size_t>((j / kNr) * quads * kNr + p * kNr + j % kNr)] = lane;
     }
-    packed.column_sums[static_cast<std::size_t>(j)] = sum;
+    packed.offsets[static_cast<std::size_t>(j)] = -128 * sum;
     packed.scales[static_cast<std::size_t>(j)] = w.scales[static_cast<std::size_t>(j)];
   }
 }
@@ -115,16 +119,20 @@ inline float quantize_row_int8(const float* x, Index cols, std::uint8_t* out) {
 }
 
 #ifdef MHA_PACKED_GEMM_X86
-// quantize_row_int8, 16 floats at a time: the largest magnitude by packets, then x · (127 /
-// largest) rounded to nearest even (vcvtps2dq under the default MXCSR, as std::nearbyint), plus
-// 128, narrowed to bytes. The same bytes and scale as the scalar form.
+// quantize_row_int8, 16 floats at a time: the largest magnitude, then x · (127 / largest)
+// rounded to nearest even (vcvtps2dq under the default MXCSR, as std::nearbyint), narrowed to
+// bytes. |x| <= largest, so every level is within ±127 (127 / largest rounded up by an ulp still
+// rounds 127.00002 to 127) and needs no clamp; q_x + 128 is the level's byte with its top bit
+// flipped. The same bytes and scale as the scalar form.
 __attribute__((target("avx512f"))) inline float quantize_row_int8_avx512(const float* x, Index cols,
                                                                          std::uint8_t* out) {
   __m512 largest = _mm512_setzero_ps(), poison = _mm512_setzero_ps();
   for (Index k = 0; k < cols; k += 16) {
     const __mmask16 inside = static_cast<__mmask16>((1U << std::min<Index>(16, cols - k)) - 1U);
     const __m512 values = _mm512_maskz_loadu_ps(inside, x + k);
-    largest = _mm512_max_ps(largest, _mm512_abs_ps(values));
+    const __m512 magnitudes = _mm512_abs_ps(values);
+    largest = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(magnitudes, largest, _CMP_GT_OQ), largest,
+                                   magnitudes);
     poison = poison + values * _mm512_setzero_ps();
   }
   const float top = _mm512_reduce_max_ps(largest), nan = _mm512_reduce_add_ps(poison);
@@ -136,15 +144,13 @@ __attribute__((target("avx512f"))) inline float quantize_row_int8_avx512(const f
     return scale;
   }
   const __m512 factor = _mm512_set1_ps(inverse);
-  const __m512i offset = _mm512_set1_epi32(128);
+  const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80));
   for (Index k = 0; k < padded; k += 16) {
     const Index count = std::min<Index>(16, padded - k);
     const __mmask16 inside =
         static_cast<__mmask16>((1U << std::clamp<Index>(cols - k, 0, 16)) - 1U);
     const __m512i levels = _mm512_cvtps_epi32(factor * _mm512_maskz_loadu_ps(inside, x + k));
-    const __m512i clamped =
-        _mm512_max_epi32(_mm512_set1_epi32(-127), _mm512_min_epi32(_mm512_set1_epi32(127), levels));
-    const __m128i bytes = _mm512_cvtepi32_epi8(_mm512_add_epi32(clamped, offset));
+    const __m128i bytes = _mm_xor_si128(_mm512_cvtepi32_epi8(levels), flip);
     alignas(16) std::uint8_t lanes[16];
     _mm_store_si128(reinterpret_cast<__m128i*>(lanes), bytes);
     std::copy(lanes, lanes + count, out + k);
@@ -152,22 +158,26 @@ __attribute__((target("avx512f"))) inline float quantize_row_int8_avx512(const f
   return scale;
 }
 
-// tile [kMr, 16 · Panels] (rows ld floats apart) = s_x[r] · scale_w[j] · (Σ quads of A's row r ·
-// B's column j - 128 · column_sums[j]): 6 rows of A as rows of quads (a_stride lanes apart) times
-// one or two panels of B (the second b_panel_step lanes after the first), twelve int32 chains of
-// `vpdpbusd`, then the epilogue in fp32. Only where int8_dot_available().
+// tile [kMr, 16 · Panels] (rows ld floats apart) = s_x[r] · scale_w[j] · (offsets[j] + Σ quads of
+// A's row r · B's column j): 6 rows of A as rows of quads (a_stride lanes apart) times one or two
+// panels of B (the second b_panel_step lanes after the first), twelve int32 chains of
+// `vpdpbusd` starting from the offsets, then the scales in fp32. Only where
+// int8_dot_available().
 template <int Panels>
 __attribute__((target("avx512f,avx512vnni"), noinline)) inline void micro_tile_int8(
     Index quads, const std::uint32_t* a, Index a_stride, const std::uint32_t* b, Index b_panel_step,
-    const float* row_scales, const std::int32_t* column_sums, const float* column_scales,
-    float* tile, Index ld) {
+    const float* row_scales, const std::int32_t* offsets, const float* column_scales, float* tile,
+    Index ld) {
   static_assert(Panels == 1 || Panels == 2, "one or two panels of B");
   constexpr Index kRows = Int8GemmShape::kMr;
+  __m512i start[Panels];
+  MHA_UNROLL
+  for (Index q = 0; q < Panels; ++q) start[q] = _mm512_loadu_si512(offsets + 16 * q);
   __m512i sums[kRows][Panels];
   MHA_UNROLL
   for (auto& row_sums : sums) {
     MHA_UNROLL
-    for (__m512i& sum : row_sums) sum = _mm512_setzero_si512();
+    for (Index q = 0; q < Panels; ++q) row_sums[q] = start[q];
   }
   for (Index p = 0; p < quads; ++p, ++a, b += Int8GemmShape::kNr) {
     __m512i row[Panels];
@@ -182,12 +192,10 @@ __attribute__((target("avx512f,avx512vnni"), noinline)) inline void micro_tile_i
   }
   MHA_UNROLL
   for (Index q = 0; q < Panels; ++q) {
-    const __m512i offsets =
-        _mm512_slli_epi32(_mm512_loadu_si512(column_sums + 16 * q), 7);  // 128 · Σ_k q_w
     const __m512 scales = _mm512_loadu_ps(column_scales + 16 * q);
     MHA_UNROLL
     for (Index r = 0; r < kRows; ++r) {
-      const __m512 exact = _mm512_cvtepi32_ps(_mm512_sub_epi32(sums[r][q], offsets));
+      const __m512 exact = _mm512_cvtepi32_ps(sums[r][q]);
       _mm512_storeu_ps(tile + r * ld + 16 * q, exact * (scales * _mm512_set1_ps(row_scales[r])));
     }
   }
@@ -241,7 +249,7 @@ inline void int8_gemm(const float* x, Index rows, Index x_stride, const Int8Pack
         for (Index j = c0; j < c1; j += 2 * S::kNr) {
           const Index width = std::min(2 * S::kNr, c1 - j);
           const std::uint32_t* b = w.panels.data() + (j / S::kNr) * w.panel_stride();
-          const std::int32_t* sums = w.column_sums.data() + j;
+          const std::int32_t* sums = w.offsets.data() + j;
           const float* scales = w.scales.data() + j;
           if (height == S::kMr && width == 2 * S::kNr) {
             micro_tile_int8<2>(quads, a, quads, b, w.panel_stride(), row_scales, sums, scales,
