@@ -222,27 +222,27 @@ void ceiling_fma(benchmark::State& state) {
   auto& ceilings = mha_bench::ceilings();
   ceilings.fma_gflops = std::max(ceilings.fma_gflops, best);
 }
-void ceiling_bf16(benchmark::State& state) {
+// A dot-product peak (bf16 or int8): the best of the iterations' measurements, raising the kept
+// ceiling `kept` to it; skipped where the CPU lacks the instruction (`measure` gives 0).
+template <class Measure>
+void ceiling_dot_product(benchmark::State& state, Measure measure, const char* missing,
+                         const char* counter, double& kept) {
   double best = 0;
-  for (auto _ : state) best = std::max(best, mha_bench::bf16_peak_gflops(0.2));
+  for (auto _ : state) best = std::max(best, measure(0.2));
   if (best == 0) {
-    state.SkipWithError("this CPU has no AVX512_BF16");
+    state.SkipWithError(missing);
     return;
   }
-  state.counters["GFLOPS"] = best;
-  auto& ceilings = mha_bench::ceilings();
-  ceilings.bf16_gflops = std::max(ceilings.bf16_gflops, best);
+  state.counters[counter] = best;
+  kept = std::max(kept, best);
+}
+void ceiling_bf16(benchmark::State& state) {
+  ceiling_dot_product(state, mha_bench::bf16_peak_gflops, "this CPU has no AVX512_BF16", "GFLOPS",
+                      mha_bench::ceilings().bf16_gflops);
 }
 void ceiling_int8(benchmark::State& state) {
-  double best = 0;
-  for (auto _ : state) best = std::max(best, mha_bench::int8_peak_gops(0.2));
-  if (best == 0) {
-    state.SkipWithError("this CPU has no AVX512_VNNI");
-    return;
-  }
-  state.counters["GOPS"] = best;
-  auto& ceilings = mha_bench::ceilings();
-  ceilings.int8_gops = std::max(ceilings.int8_gops, best);
+  ceiling_dot_product(state, mha_bench::int8_peak_gops, "this CPU has no AVX512_VNNI", "GOPS",
+                      mha_bench::ceilings().int8_gops);
 }
 void ceiling_read(benchmark::State& state) {
   double best = 0;

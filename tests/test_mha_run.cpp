@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -100,40 +101,17 @@ TEST_CASE("mha_run reproduces PyTorch on a fixture, end to end", "[mha_run]") {
   }
 }
 
-TEST_CASE("mha_run computes in bf16 with metadata precision = bf16", "[mha_run]") {
-  // A fixture of torch's, with bf16 arithmetic: the output within 1e-2 of torch's largest (the
-  // bound test_precision.cpp checks against float64), and not torch's fp32 bits where the CPU
-  // computes in bf16.
-  const fs::path dir = scratch_dir();
-  auto in = mha::io::read_safetensors(
-      fixture("gqa_f32_kv2_kdim_vdim_bias_kv_zero_attn_per_head.in.safetensors"));
-  in.metadata["precision"] = "bf16";
-  mha::io::write_safetensors((dir / "bf16.safetensors").string(), in);
-  const Run run = run_tool("'" + (dir / "bf16.safetensors").string() + "' '" +
-                           (dir / "out.safetensors").string() + "'");
-  REQUIRE(run.exit_code == 0);
-  const auto actual = mha::io::read_safetensors((dir / "out.safetensors").string());
-  const auto expected = mha::io::read_safetensors(
-      fixture("gqa_f32_kv2_kdim_vdim_bias_kv_zero_attn_per_head.expected.safetensors"));
-  const auto output = mha::io::to_tensor<float>(actual.at("output"), "output");
-  const auto torch = mha::io::to_tensor<float>(expected.at("output"), "output");
-  REQUIRE(output.shape() == torch.shape());
-  const double scale = torch.flat().cwiseAbs().maxCoeff();
-  const double error = (output.flat() - torch.flat()).cwiseAbs().maxCoeff();
-  INFO("error " << error / scale << " of the largest output");
-  CHECK(error <= 1e-2 * scale);
-  if (mha::bf16_arithmetic_available()) CHECK(error > 1e-4 * scale);
-}
+namespace {
 
-TEST_CASE("mha_run runs int8 weights with metadata weights = int8", "[mha_run]") {
-  // The layer on its weights quantized to int8 per output row: within 2e-2 of torch's largest
-  // output (the bound test_precision.cpp checks against float64), and not torch's fp32 bits.
+// A fixture of torch's run by mha_run with `metadata` added to its own: the output's largest
+// difference from torch's, over torch's largest magnitude.
+double error_with_metadata(const std::map<std::string, std::string>& metadata) {
   const fs::path dir = scratch_dir();
   const std::string name = "gqa_f32_kv2_kdim_vdim_bias_kv_zero_attn_per_head";
   auto in = mha::io::read_safetensors(fixture(name + ".in.safetensors"));
-  in.metadata["weights"] = "int8";
-  mha::io::write_safetensors((dir / "int8.safetensors").string(), in);
-  const Run run = run_tool("'" + (dir / "int8.safetensors").string() + "' '" +
+  for (const auto& [key, value] : metadata) in.metadata[key] = value;
+  mha::io::write_safetensors((dir / "reduced.safetensors").string(), in);
+  const Run run = run_tool("'" + (dir / "reduced.safetensors").string() + "' '" +
                            (dir / "out.safetensors").string() + "'");
   REQUIRE(run.exit_code == 0);
   const auto actual = mha::io::read_safetensors((dir / "out.safetensors").string());
@@ -141,11 +119,26 @@ TEST_CASE("mha_run runs int8 weights with metadata weights = int8", "[mha_run]")
   const auto output = mha::io::to_tensor<float>(actual.at("output"), "output");
   const auto torch = mha::io::to_tensor<float>(expected.at("output"), "output");
   REQUIRE(output.shape() == torch.shape());
-  const double scale = torch.flat().cwiseAbs().maxCoeff();
-  const double error = (output.flat() - torch.flat()).cwiseAbs().maxCoeff();
-  INFO("error " << error / scale << " of the largest output");
-  CHECK(error <= 2e-2 * scale);
-  CHECK(error > 1e-4 * scale);
+  return (output.flat() - torch.flat()).cwiseAbs().maxCoeff() / torch.flat().cwiseAbs().maxCoeff();
+}
+
+}  // namespace
+
+TEST_CASE("mha_run computes in reduced precision as its metadata asks", "[mha_run]") {
+  // The bounds test_precision.cpp checks against float64 (1e-2 for bf16, 2e-2 for int8), and not
+  // torch's fp32 bits where the CPU computes that way.
+  const double bf16 = error_with_metadata({{"precision", "bf16"}});
+  INFO("bf16: " << bf16 << " of the largest output");
+  CHECK(bf16 <= 1e-2);
+  if (mha::bf16_arithmetic_available()) CHECK(bf16 > 1e-4);
+  const double int8_weights = error_with_metadata({{"weights", "int8"}});
+  INFO("int8 weights: " << int8_weights);
+  CHECK(int8_weights <= 2e-2);
+  CHECK(int8_weights > 1e-4);
+  const double int8 = error_with_metadata({{"weights", "int8"}, {"precision", "int8"}});
+  INFO("int8 x int8: " << int8);
+  CHECK(int8 <= 2e-2);
+  CHECK(int8 > 1e-4);
 }
 
 namespace {
