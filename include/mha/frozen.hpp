@@ -24,7 +24,8 @@
 // quantization and CTranslate2's int8 do: the frozen layer's weights become the quantized Ŵ
 // (layer() holds them; bias and everything else are kept), every product multiplies by Ŵ, and
 // the products of a few rows (a decoding step's tokens) read the int8 values, a quarter of float
-// weights' bytes. Float layers only.
+// weights' bytes. With Precision::int8 the projections also quantize their inputs, a scale per
+// row, and run as int8 × int8 products (kernels/int8_gemm.hpp). Float layers only.
 //
 // Threads: as a MultiHeadAttention's const members (forward and decode may be called at once
 // from many threads, each with its own Workspace, result and cache).

@@ -202,7 +202,7 @@ __attribute__((target("avx512f,avx512vnni"), noinline)) inline void micro_tile_i
 }
 #endif
 
-// A call's quantized rows of x, their scales and a partial tile's buffer.
+// A call's quantized rows of x (as rows of quads) and their scales.
 struct Int8Scratch {
   std::vector<std::uint32_t, Eigen::aligned_allocator<std::uint32_t>> rows;
   std::vector<float> row_scales;
