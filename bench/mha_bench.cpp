@@ -575,7 +575,8 @@ void precision_decode(benchmark::State& state) {
 // of each weight.
 template <class Layer = mha::MultiHeadAttention<float>>
 void decode_step(benchmark::State& state, mha::Precision precision = mha::Precision::fp32,
-                 double bytes_per_weight = 4.0) {
+                 double bytes_per_weight = 4.0,
+                 mha::KVCacheFormat format = mha::KVCacheFormat::as_layer) {
   const mha::Index B = state.range(0), kv_heads = state.range(1), context = state.range(2);
   const mha::Index E = 2048, H = 16;
   if (precision == mha::Precision::bf16 && !mha::bf16_arithmetic_available()) {
@@ -585,9 +586,19 @@ void decode_step(benchmark::State& state, mha::Precision precision = mha::Precis
   mha::MultiHeadAttentionConfig config(E, H);
   config.num_kv_heads = kv_heads;
   const Layer layer{mha::MultiHeadAttention<float>(config)};
-  mha::KVCache<float> cache(B, kv_heads, E / H, context + 1);
+  mha::KVCache<float> cache(B, kv_heads, E / H, context + 1, -1, format);
+  // The prompt, untimed: projected into the cache in chunks with a window of one key (the keys
+  // and values cached do not depend on the attention over the prompt, and a causal prompt of
+  // 16384 tokens would take seconds a sequence).
   auto options = mha::MultiHeadAttention<float>::decode_options();
-  layer.decode(random_tensor({B, context, E}, 1), cache, options);  // the prompt, untimed
+  options.window = mha::Window{0, 0};
+  constexpr mha::Index kPromptChunk = 2048;
+  for (mha::Index first = 0; first < context; first += kPromptChunk) {
+    const mha::Index count = std::min(kPromptChunk, context - first);
+    layer.decode(random_tensor({B, count, E}, static_cast<std::uint64_t>(1 + first)), cache,
+                 options);
+  }
+  options.window = mha::Window{};
   options.precision = precision;
   const auto token = random_tensor({B, 1, E}, 2);
   const WallClock wall;
@@ -600,7 +611,7 @@ void decode_step(benchmark::State& state, mha::Precision precision = mha::Precis
   const double d = static_cast<double>(E / H), e = static_cast<double>(E);
   const double kv = static_cast<double>(kv_heads) * d;
   const double weight_bytes = bytes_per_weight * (2 * e * e + 2 * kv * e);
-  const double cache_bytes = 4.0 * static_cast<double>(B) * 2 * static_cast<double>(context) * kv;
+  const auto cache_bytes = static_cast<double>(cache.storage_bytes());
   state.counters["weights_MiB"] = weight_bytes / (1024.0 * 1024.0);
   state.counters["cache_MiB"] = cache_bytes / (1024.0 * 1024.0);
   set_bytes_read(state, wall, weight_bytes + cache_bytes);
@@ -608,6 +619,13 @@ void decode_step(benchmark::State& state, mha::Precision precision = mha::Precis
 
 void decode(benchmark::State& state) {
   decode_step(state);
+}
+
+// decode_cache/<format>: the decode step above with its KV cache stored as `format`: float
+// (as_layer), or quantized in blocks of 32 (q8: 1.06 bytes a value, q4: 0.56), which the decoding
+// kernel widens in registers as it reads them. cache_MiB: the bytes the step reads of the cache.
+void decode_cache(benchmark::State& state, mha::KVCacheFormat format) {
+  decode_step(state, mha::Precision::fp32, 4.0, format);
 }
 void decode_bf16_frozen(benchmark::State& state) {
   decode_step<mha::FrozenMultiHeadAttention<float>>(state, mha::Precision::bf16, 2.0);
@@ -1219,6 +1237,21 @@ BENCHMARK(decode)
     ->Name("decode")
     ->ArgNames({"B", "H_kv", "context"})
     ->ArgsProduct({{1, 8}, {16, 8, 4, 2, 1}, {16, 2048}})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(decode_cache, float, mha::KVCacheFormat::as_layer)
+    ->Name("decode_cache/float")
+    ->ArgNames({"B", "H_kv", "context"})
+    ->ArgsProduct({{1, 4}, {16, 4}, {16384}})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(decode_cache, q8, mha::KVCacheFormat::q8)
+    ->Name("decode_cache/q8")
+    ->ArgNames({"B", "H_kv", "context"})
+    ->ArgsProduct({{1, 4}, {16, 4}, {16384}})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(decode_cache, q4, mha::KVCacheFormat::q4)
+    ->Name("decode_cache/q4")
+    ->ArgNames({"B", "H_kv", "context"})
+    ->ArgsProduct({{1, 4}, {16, 4}, {16384}})
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(decode_bf16_frozen)
     ->Name("decode_bf16_frozen")

@@ -299,6 +299,17 @@ inline bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
 }
 
+// The layer with the same parameters in another scalar type (a float64 reference of a float or
+// 16-bit layer, or the reverse).
+template <class To, class From>
+mha::MultiHeadAttention<To> converted(const mha::MultiHeadAttention<From>& layer) {
+  mha::MultiHeadAttention<To> result(layer.config());
+  for (const auto& entry : layer.state_dict()) {
+    result.set_parameter(entry.first, mha::tensor_cast<To>(entry.second).view());
+  }
+  return result;
+}
+
 }  // namespace mha_test
 
 // CHECK that two tensors agree, printing the shape mismatch or the worst element.

@@ -14,6 +14,7 @@
 #include "helpers.hpp"
 #include "mha/kernels/decode.hpp"
 #include "mha/kernels/decode_products.hpp"
+#include "mha/kernels/quantized_cache.hpp"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -137,17 +138,27 @@ std::vector<std::vector<float>> decode_outputs(const DecodeCase& c, const Inputs
   std::vector<std::vector<Stored>> keys, values;
   std::vector<std::vector<float>> outputs;
   std::vector<DecodeSequence<Stored>> sequences;
+  const Index inner = c.heads * c.head_dim, width = c.kv_heads * c.head_dim;
   for (std::size_t b = 0; b < c.key_counts.size(); ++b) {
-    keys.emplace_back(inputs.keys[b].begin(), inputs.keys[b].end());
-    values.emplace_back(inputs.values[b].begin(), inputs.values[b].end());
+    if constexpr (mha::detail::is_quantized_block_v<Stored>) {
+      for (auto* stored : {&keys, &values}) {
+        const auto& source = stored == &keys ? inputs.keys[b] : inputs.values[b];
+        stored->emplace_back(source.size() / mha::detail::kQuantBlock);
+        mha::detail::quantize_rows(source.data(), c.key_counts[b], width, stored->back().data());
+      }
+    } else {
+      keys.emplace_back(inputs.keys[b].begin(), inputs.keys[b].end());
+      values.emplace_back(inputs.values[b].begin(), inputs.values[b].end());
+    }
     outputs.emplace_back(inputs.queries[b].size(), -1.0F);
   }
   for (std::size_t b = 0; b < c.key_counts.size(); ++b) {
     sequences.push_back({inputs.queries[b].data(), outputs[b].data(), keys[b].data(),
                          values[b].data(), c.query_counts[b], c.key_counts[b]});
   }
-  const Index inner = c.heads * c.head_dim, width = c.kv_heads * c.head_dim;
-  const DecodeShape shape{c.heads, c.kv_heads, c.head_dim, c.head_dim, inner, inner, width};
+  const Index kv_stride =
+      mha::detail::is_quantized_block_v<Stored> ? width / mha::detail::kQuantBlock : width;
+  const DecodeShape shape{c.heads, c.kv_heads, c.head_dim, c.head_dim, inner, inner, kv_stride};
   std::vector<KernelScratch<float>> scratch;
   mha::detail::DecodeScratch buffers;
   mha::detail::decode_attention(sequences, shape, options, scratch, buffers);
@@ -260,6 +271,48 @@ TEMPLATE_TEST_CASE("the decoding kernel reads a 16-bit cache as the flash kernel
       CHECK(narrow[b] == wide[b]);  // the same float arithmetic on the same widened values
     }
   }
+}
+
+TEMPLATE_TEST_CASE(
+    "the decoding kernel reads a quantized cache as the float one its codes stand for",
+    "[decode][quantized]", mha::detail::Q8Block, mha::detail::Q4Block) {
+  using Block = TestType;
+  std::uint64_t seed = 91;
+  Index quantizable = 0;
+  for (const auto& c : cases()) {
+    const Index width = c.kv_heads * c.head_dim;
+    if (width % mha::detail::kQuantBlock != 0) continue;  // (a quantized cache refuses them)
+    ++quantizable;
+    INFO(c.name);
+    auto inputs = inputs_of(c, seed += 1000);
+    // A float cache holding what the codes stand for.
+    Inputs dequantized = inputs;
+    for (auto* stored : {&dequantized.keys, &dequantized.values}) {
+      for (auto& rows : *stored) {
+        std::vector<Block> blocks(rows.size() / mha::detail::kQuantBlock);
+        mha::detail::quantize_rows(rows.data(), 1, static_cast<Index>(rows.size()), blocks.data());
+        for (std::size_t i = 0; i < rows.size(); ++i) {
+          rows[i] = mha::detail::dequantized(blocks[i / mha::detail::kQuantBlock],
+                                             static_cast<Index>(i) % mha::detail::kQuantBlock);
+        }
+      }
+    }
+    const auto slopes = mha::alibi_slopes<float>(c.heads);
+    const auto options = options_for<float>(c, slopes);
+    const auto quantized = decode_outputs<Block>(c, inputs, options);
+    const auto wide = decode_outputs<float>(c, dequantized, options);
+    bool rounded = false;  // (some code did round: quarters of a short range may not)
+    for (std::size_t b = 0; b < c.key_counts.size(); ++b) {
+      INFO("sequence " << b);
+      // Equal: every score's products and sums are exact in float here (quarters times codes of a
+      // bfloat16 scale), whether the register blocks or another path formed them, and P·V sums
+      // each column over the keys in the same order on every path.
+      CHECK(quantized[b] == wide[b]);
+      rounded = rounded || dequantized.keys[b] != inputs.keys[b];
+    }
+    CHECK(rounded);
+  }
+  CHECK(quantizable >= 6);
 }
 
 #ifdef _OPENMP

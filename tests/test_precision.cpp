@@ -27,16 +27,9 @@ using mha::Precision;
 using mha::Shape;
 using mha::Tensor;
 
-namespace {
+using mha_test::converted;
 
-template <class To, class From>
-MultiHeadAttention<To> converted(const MultiHeadAttention<From>& layer) {
-  MultiHeadAttention<To> result(layer.config());
-  for (const auto& entry : layer.state_dict()) {
-    result.set_parameter(entry.first, mha::tensor_cast<To>(entry.second).view());
-  }
-  return result;
-}
+namespace {
 
 struct Case {
   std::string name;

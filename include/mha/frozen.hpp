@@ -31,6 +31,9 @@
 // from many threads, each with its own Workspace, result and cache).
 #pragma once
 
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <map>
 #include <string>
 #include <type_traits>
@@ -59,6 +62,19 @@ class FrozenMultiHeadAttention {
     if (weights == FrozenWeights::int8) split_int8(int8);
   }
 
+  // A frozen layer on int8 weights quantized before (as int8_weights() returns them, by weight
+  // name): how io::load_int8 restores a saved one without quantizing again. The layer's
+  // projection weights become what the int8 values stand for; the names, shapes, scales (finite,
+  // >= 0) and values (in [-127, 127]) are checked.
+  FrozenMultiHeadAttention(const MultiHeadAttention<T>& layer,
+                           std::map<std::string, detail::Int8Weight> int8)
+      : layer_(layer) {
+    check_float_layer();
+    adopt_int8(int8);
+    packed_ = detail::PackedProjections::pack(layer_.parameters_);
+    split_int8(int8);
+  }
+
   // MultiHeadAttention::from_state_dict, frozen.
   static FrozenMultiHeadAttention from_state_dict(const std::map<std::string, Tensor<T>>& state,
                                                   Index num_heads, bool add_zero_attn = false) {
@@ -74,6 +90,29 @@ class FrozenMultiHeadAttention {
   bool weights_packed() const { return !packed_.query.empty(); }
   // Whether the weights were quantized to int8 (FrozenWeights::int8).
   bool weights_int8() const { return !packed_.int8_output.empty(); }
+  // The int8 weights by the layer's weight names (in_proj_weight, or q_proj_weight,
+  // k_proj_weight and v_proj_weight; out_proj.weight); empty unless weights_int8().
+  std::map<std::string, detail::Int8Weight> int8_weights() const {
+    std::map<std::string, detail::Int8Weight> int8;
+    if (!weights_int8()) return int8;
+    const detail::Int8Weight* inputs[] = {&packed_.int8_query, &packed_.int8_key,
+                                          &packed_.int8_value};
+    if (layer_.parameters_.packed_projection()) {
+      detail::Int8Weight& whole = int8["in_proj_weight"];
+      whole.depth = inputs[0]->depth;
+      for (const detail::Int8Weight* part : inputs) {
+        whole.outputs += part->outputs;
+        whole.values.insert(whole.values.end(), part->values.begin(), part->values.end());
+        whole.scales.insert(whole.scales.end(), part->scales.begin(), part->scales.end());
+      }
+    } else {
+      for (int which = 0; which < 3; ++which) {
+        int8[weight_names()[static_cast<std::size_t>(which)]] = *inputs[which];
+      }
+    }
+    int8["out_proj.weight"] = packed_.int8_output;
+    return int8;
+  }
 
   // MultiHeadAttention::forward, with the same checks and results.
   ForwardResult<T> forward(TensorView<const T> query, TensorView<const T> key,
@@ -112,12 +151,16 @@ class FrozenMultiHeadAttention {
     return {"q_proj_weight", "k_proj_weight", "v_proj_weight", "out_proj.weight"};
   }
 
-  // Each projection weight quantized to int8 (returned by name) and replaced by its Ŵ.
-  std::map<std::string, detail::Int8Weight> quantize_weights() {
-    std::map<std::string, detail::Int8Weight> int8;
+  void check_float_layer() const {
     if (!std::is_same_v<T, float>) {
       detail::throw_argument("weights", "int8 weights are for float layers");
     }
+  }
+
+  // Each projection weight quantized to int8 (returned by name) and replaced by its Ŵ.
+  std::map<std::string, detail::Int8Weight> quantize_weights() {
+    check_float_layer();
+    std::map<std::string, detail::Int8Weight> int8;
     for (const std::string& name : weight_names()) {
       const TensorView<const T> weight = std::as_const(layer_).parameter(name);
       if (!weight.matrix().allFinite()) {
@@ -125,17 +168,56 @@ class FrozenMultiHeadAttention {
             "weights", "int8 quantization needs finite weights; " + name + " is not finite");
       }
       const Index rows = weight.dim(0), cols = weight.dim(1);
-      detail::Int8Weight& quantized = int8[name];
-      detail::quantize_int8_weight(weight.data(), rows, cols, cols, quantized);
-      Tensor<T> dequantized(weight.shape());
+      detail::quantize_int8_weight(weight.data(), rows, cols, cols, int8[name]);
+    }
+    adopt_int8(int8);
+    return int8;
+  }
+
+  // The layer's projection weights replaced by what the int8 weights stand for, after checking
+  // that they are this layer's weights and valid int8 weights.
+  void adopt_int8(const std::map<std::string, detail::Int8Weight>& int8) {
+    const std::vector<std::string> names = weight_names();
+    for (const auto& entry : int8) {
+      if (std::find(names.begin(), names.end(), entry.first) == names.end()) {
+        detail::throw_argument("int8",
+                               "'" + entry.first + "' is not a projection weight of this layer");
+      }
+    }
+    for (const std::string& name : names) {
+      const auto found = int8.find(name);
+      if (found == int8.end()) detail::throw_argument("int8", "missing the int8 weight " + name);
+      const detail::Int8Weight& weight = found->second;
+      const Shape shape = std::as_const(layer_).parameter(name).shape();
+      const Index rows = shape[0], cols = shape[1];
+      if (weight.outputs != rows || weight.depth != cols) {
+        detail::throw_shape("int8 " + name, detail::format_shape(shape),
+                            Shape{weight.outputs, weight.depth});
+      }
+      if (weight.values.size() != static_cast<std::size_t>(rows * cols) ||
+          weight.scales.size() != static_cast<std::size_t>(rows)) {
+        detail::throw_argument("int8", name + ": expected " + std::to_string(rows * cols) +
+                                           " values and " + std::to_string(rows) + " scales");
+      }
+      for (const float scale : weight.scales) {
+        if (!std::isfinite(scale) || scale < 0.0F) {
+          detail::throw_argument(
+              "int8", name + ": expected finite scales >= 0, got " + std::to_string(scale));
+        }
+      }
+      for (const std::int8_t value : weight.values) {
+        if (value < -127) {
+          detail::throw_argument("int8", name + ": expected values in [-127, 127], got -128");
+        }
+      }
+      Tensor<T> dequantized(shape);
       for (Index n = 0; n < rows; ++n) {
         for (Index k = 0; k < cols; ++k) {
-          dequantized.data()[n * cols + k] = static_cast<T>(quantized.dequantized(n, k));
+          dequantized.data()[n * cols + k] = static_cast<T>(weight.dequantized(n, k));
         }
       }
       layer_.set_parameter(name, dequantized.view());
     }
-    return int8;
   }
 
   // The quantized weights as the projections' (in_proj_weight's row blocks apart).

@@ -11,6 +11,13 @@
 // values in 16 bits, half the memory and bandwidth of float, and converts each block to float
 // as the flash kernel reads it.
 //
+// KVCacheFormat::q8 and q4 store them quantized instead, in blocks of 32 values with a scale each
+// (kernels/quantized_cache.hpp): about a half (q8) and a quarter (q4) of a 16-bit cache's memory,
+// and of the bytes each decoding step reads, which is what bounds a step over a long context.
+// The decoding kernel widens them a sub-block at a time as it reads them; a step of many tokens
+// (a prompt) widens its sequence's whole cache into a float buffer first. Every value read back
+// is within half its block's scale of the value stored (max |block| / 254 for q8, / 14 for q4).
+//
 // A sliding-window cache (window = w >= 0) keeps only the last w keys of each sequence: enough for
 // attention whose window looks back w keys (ForwardOptions::window.left <= w), as Mistral decodes.
 // A step of n tokens needs w + n rows; capacity 2w makes the rare compaction (moving the kept rows
@@ -19,6 +26,8 @@
 
 #include <algorithm>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "mha/errors.hpp"
@@ -26,6 +35,7 @@
 #include "mha/kernels/common.hpp"
 #include "mha/kernels/decode.hpp"
 #include "mha/kernels/int8_gemm.hpp"
+#include "mha/kernels/quantized_cache.hpp"
 #include "mha/rotary.hpp"
 #include "mha/tensor.hpp"
 
@@ -36,14 +46,33 @@ template <class T>
 struct Decoding;
 }  // namespace detail
 
+// How a KV cache stores its keys and values (see the top): as the layer's type, or quantized in
+// blocks of 32 values with a bfloat16 scale each, as 8-bit codes (34 bytes a block) or 4-bit ones
+// (18 bytes a block).
+enum class KVCacheFormat { as_layer, q8, q4 };
+
+inline const char* kv_cache_format_name(KVCacheFormat format) {
+  switch (format) {
+    case KVCacheFormat::q8:
+      return "q8";
+    case KVCacheFormat::q4:
+      return "q4";
+    case KVCacheFormat::as_layer:
+      break;
+  }
+  return "as_layer";
+}
+
 template <class T>
 class KVCache {
  public:
   KVCache() = default;
   // batch sequences of at most `capacity` cached tokens each, for H_kv key/value heads of D
-  // features; window >= 0 makes it a sliding-window cache keeping the last `window` keys.
-  KVCache(Index batch, Index num_kv_heads, Index head_dim, Index capacity, Index window = -1)
-      : num_kv_heads_(num_kv_heads), head_dim_(head_dim), window_(window) {
+  // features; window >= 0 makes it a sliding-window cache keeping the last `window` keys. A
+  // quantized format needs H_kv·D to be a multiple of 32 and a layer that computes in float.
+  KVCache(Index batch, Index num_kv_heads, Index head_dim, Index capacity, Index window = -1,
+          KVCacheFormat format = KVCacheFormat::as_layer)
+      : num_kv_heads_(num_kv_heads), head_dim_(head_dim), window_(window), format_(format) {
     if (batch < 1)
       detail::throw_argument("batch", "expected at least 1, got " + std::to_string(batch));
     if (num_kv_heads < 1 || head_dim < 1) {
@@ -63,16 +92,27 @@ class KVCache {
                            : "") +
               ", got " + std::to_string(capacity));
     }
+    const Index width = num_kv_heads * head_dim;
+    if (quantized()) check_quantizable(width);
     // On huge pages: every decoding step reads the whole cache (see Paging).
-    keys_.resize({batch, capacity, num_kv_heads * head_dim}, Paging::huge);
-    values_.resize({batch, capacity, num_kv_heads * head_dim}, Paging::huge);
+    if (format == KVCacheFormat::q8) {
+      q8_keys_.resize(batch * capacity * (width / detail::kQuantBlock), Paging::huge);
+      q8_values_.resize(batch * capacity * (width / detail::kQuantBlock), Paging::huge);
+    } else if (format == KVCacheFormat::q4) {
+      q4_keys_.resize(batch * capacity * (width / detail::kQuantBlock), Paging::huge);
+      q4_values_.resize(batch * capacity * (width / detail::kQuantBlock), Paging::huge);
+    } else {
+      keys_.resize({batch, capacity, width}, Paging::huge);
+      values_.resize({batch, capacity, width}, Paging::huge);
+    }
+    capacity_ = capacity;
     start_.assign(static_cast<std::size_t>(batch), 0);
     length_.assign(static_cast<std::size_t>(batch), 0);
     position_.assign(static_cast<std::size_t>(batch), 0);
   }
 
   Index batch() const { return static_cast<Index>(length_.size()); }
-  Index capacity() const { return keys_.rank() == 3 ? keys_.dim(1) : 0; }
+  Index capacity() const { return capacity_; }
   Index num_kv_heads() const { return num_kv_heads_; }
   Index head_dim() const { return head_dim_; }
   // The sliding window (keys kept), or -1 for a cache that keeps every token.
@@ -83,10 +123,26 @@ class KVCache {
   Index position(Index b) const { return position_[checked(b)]; }
   // Keys sequence b holds now: position(b), or at most the window for a sliding cache.
   Index length(Index b) const { return length_[checked(b)]; }
+  KVCacheFormat format() const { return format_; }
+  bool quantized() const { return format_ != KVCacheFormat::as_layer; }
+  // The bytes that hold the cached keys and values (capacity × H_kv·D of each, in the format's
+  // elements or blocks): what a step over a full cache reads.
+  std::size_t storage_bytes() const {
+    const auto bytes = [](const auto& buffer) {
+      return static_cast<std::size_t>(buffer.size()) * sizeof(*buffer.data());
+    };
+    return bytes(keys_) + bytes(values_) + bytes(q8_keys_) + bytes(q8_values_) + bytes(q4_keys_) +
+           bytes(q4_values_);
+  }
+
   // The cached keys and values of sequence b, oldest first: [length(b), H_kv·D], head h in
-  // columns h·D .. h·D + D - 1, rotated when the steps used rotary embeddings.
+  // columns h·D .. h·D + D - 1, rotated when the steps used rotary embeddings. A quantized cache
+  // holds no such rows: read it with dequantized_keys and dequantized_values.
   TensorView<const T> keys(Index b) const { return rows(keys_, b); }
   TensorView<const T> values(Index b) const { return rows(values_, b); }
+  // The same rows as float, in any format: a quantized cache's as its codes stand for them.
+  Tensor<float> dequantized_keys(Index b) const { return dequantized(b, false); }
+  Tensor<float> dequantized_values(Index b) const { return dequantized(b, true); }
 
   // Forgets sequence b's tokens from `position` on (a rejected speculative draft, a beam that is
   // dropped): its next step continues there. A sliding cache can go back only as far as it still
@@ -124,11 +180,63 @@ class KVCache {
     }
     return static_cast<std::size_t>(b);
   }
+  Index width() const { return num_kv_heads_ * head_dim_; }
   TensorView<const T> rows(const Tensor<T>& storage, Index b) const {
     const auto i = checked(b);
-    const Index width = storage.dim(2);
-    return make_view(storage.data() + (b * capacity() + start_[i]) * width,
-                     Shape{length_[i], width});
+    if (quantized()) {
+      detail::throw_argument("b", std::string("keys() and values() view the rows of a cache that "
+                                              "stores the layer's type; this one is ") +
+                                      kv_cache_format_name(format_) +
+                                      ": read it with dequantized_keys() and dequantized_values()");
+    }
+    return make_view(storage.data() + (b * capacity() + start_[i]) * width(),
+                     Shape{length_[i], width()});
+  }
+  Tensor<float> dequantized(Index b, bool values) const {
+    const auto i = checked(b);
+    Tensor<float> out({length_[i], width()});
+    if (out.size() == 0) return out;
+    Matrix<float> tile(length_[i], width());
+    if (format_ == KVCacheFormat::q8) {
+      detail::dequantize_rows(block_row<detail::Q8Block>(values, b, start_[i]), length_[i], width(),
+                              width() / detail::kQuantBlock, tile);
+    } else if (format_ == KVCacheFormat::q4) {
+      detail::dequantize_rows(block_row<detail::Q4Block>(values, b, start_[i]), length_[i], width(),
+                              width() / detail::kQuantBlock, tile);
+    } else {
+      const T* first = (values ? values_ : keys_).data() + (b * capacity() + start_[i]) * width();
+      for (Index e = 0; e < out.size(); ++e) tile.data()[e] = static_cast<float>(first[e]);
+    }
+    std::copy(tile.data(), tile.data() + out.size(), out.data());
+    return out;
+  }
+  void check_quantizable(Index width) const {
+    if (!std::is_same_v<detail::compute_t<T>, float>) {
+      detail::throw_argument("format", std::string(kv_cache_format_name(format_)) +
+                                           " caches are for layers that compute in float");
+    }
+    if (width % detail::kQuantBlock != 0) {
+      detail::throw_argument(
+          "format", std::string(kv_cache_format_name(format_)) +
+                        " quantizes blocks of 32 values of a row: expected H_kv·D a multiple of "
+                        "32, got " +
+                        std::to_string(num_kv_heads_) + "·" + std::to_string(head_dim_) + " = " +
+                        std::to_string(width));
+    }
+  }
+  // Sequence b's row `row` of keys (or values) in a quantized format's blocks.
+  template <class Block>
+  Block* block_row(bool values, Index b, Index row) {
+    return const_cast<Block*>(std::as_const(*this).template block_row<Block>(values, b, row));
+  }
+  template <class Block>
+  const Block* block_row(bool values, Index b, Index row) const {
+    const Index blocks = width() / detail::kQuantBlock;
+    if constexpr (std::is_same_v<Block, detail::Q8Block>) {
+      return (values ? q8_values_ : q8_keys_).data() + (b * capacity() + row) * blocks;
+    } else {
+      return (values ? q4_values_ : q4_keys_).data() + (b * capacity() + row) * blocks;
+    }
   }
   // The rows where sequence b's next `count` keys go, making room first: a sliding cache moves
   // the keys it keeps to the front when the free rows after them run out. (Checked by the caller:
@@ -136,10 +244,21 @@ class KVCache {
   Index reserve(Index b, Index count) {
     const auto i = static_cast<std::size_t>(b);
     if (start_[i] + length_[i] + count > capacity()) {
-      const Index width = keys_.dim(2);
-      for (Tensor<T>* storage : {&keys_, &values_}) {
-        T* base = storage->data() + b * capacity() * width;
-        std::copy(base + start_[i] * width, base + (start_[i] + length_[i]) * width, base);
+      const auto compact = [&](auto* storage, Index row_elements) {
+        auto* base = storage + b * capacity() * row_elements;
+        std::copy(base + start_[i] * row_elements, base + (start_[i] + length_[i]) * row_elements,
+                  base);
+      };
+      const Index blocks = width() / detail::kQuantBlock;
+      if (format_ == KVCacheFormat::q8) {
+        compact(q8_keys_.data(), blocks);
+        compact(q8_values_.data(), blocks);
+      } else if (format_ == KVCacheFormat::q4) {
+        compact(q4_keys_.data(), blocks);
+        compact(q4_values_.data(), blocks);
+      } else {
+        compact(keys_.data(), width());
+        compact(values_.data(), width());
       }
       start_[i] = 0;
     }
@@ -156,13 +275,15 @@ class KVCache {
       length_[i] = window_;
     }
   }
-  T* key_row(Index b, Index row) { return keys_.data() + (b * capacity() + row) * keys_.dim(2); }
-  T* value_row(Index b, Index row) {
-    return values_.data() + (b * capacity() + row) * values_.dim(2);
-  }
+  T* key_row(Index b, Index row) { return keys_.data() + (b * capacity() + row) * width(); }
+  T* value_row(Index b, Index row) { return values_.data() + (b * capacity() + row) * width(); }
 
-  Index num_kv_heads_ = 0, head_dim_ = 0, window_ = -1;
-  Tensor<T> keys_, values_;  // [B, capacity, H_kv·D]
+  Index num_kv_heads_ = 0, head_dim_ = 0, window_ = -1, capacity_ = 0;
+  KVCacheFormat format_ = KVCacheFormat::as_layer;
+  Tensor<T> keys_, values_;  // [B, capacity, H_kv·D], as_layer
+  // [B, capacity, H_kv·D / 32] blocks, q8 or q4.
+  detail::AlignedBuffer<detail::Q8Block> q8_keys_, q8_values_;
+  detail::AlignedBuffer<detail::Q4Block> q4_keys_, q4_values_;
   std::vector<Index> start_, length_, position_;
   // The step's buffers, reused while shapes repeat: a cache belongs to one decoding thread. They
   // are in the layer's compute type (float for a 16-bit cache, whose keys_ and values_ alone
@@ -173,6 +294,10 @@ class KVCache {
   std::vector<detail::KernelScratch<Compute>> kernel_;
   // The decoding kernel's sequences and buffers (kernels/decode.hpp).
   std::vector<detail::DecodeSequence<T>> decode_sequences_;
+  std::vector<detail::DecodeSequence<detail::Q8Block>> q8_sequences_;
+  std::vector<detail::DecodeSequence<detail::Q4Block>> q4_sequences_;
+  // A quantized cache's rows of one sequence, widened for a step of many tokens.
+  Matrix<float> widened_keys_, widened_values_;
   detail::DecodeScratch decode_;
   // Precision::bf16's and int8's projections of a step (layer/projections.hpp).
   detail::Bf16Scratch bf16_;

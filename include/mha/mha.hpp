@@ -1,7 +1,8 @@
 // mha: multi-head attention with the semantics of torch.nn.MultiheadAttention, header-only,
 // on Eigen. This umbrella header brings in the core; file I/O (which needs nlohmann/json) is
-// separate: #include <mha/io/safetensors.hpp> (and <mha/io/checkpoints.hpp>, mha::io), as are
-// PNG heatmaps: #include <mha/io/heatmap_png.hpp> (stb, mha::png).
+// separate: #include <mha/io/safetensors.hpp> (and <mha/io/checkpoints.hpp>,
+// <mha/io/int8_checkpoint.hpp>, mha::io), as are PNG heatmaps: #include <mha/io/heatmap_png.hpp>
+// (stb, mha::png).
 //
 // The dimension letters (B, L, S, E, H, D) are defined in mha/tensor.hpp.
 #pragma once

@@ -268,9 +268,11 @@ class MultiHeadAttention {
   // ---- Decoding with a KV cache (layer/decode.hpp, kv_cache.hpp) ----
 
   // A cache for this layer's keys and values: `batch` sequences of at most `capacity` tokens, or
-  // with window >= 0 a sliding-window cache keeping each sequence's last `window` keys.
-  KVCache<T> make_kv_cache(Index batch, Index capacity, Index window = -1) const {
-    return KVCache<T>(batch, num_kv_heads(), head_dim(), capacity, window);
+  // with window >= 0 a sliding-window cache keeping each sequence's last `window` keys; stored
+  // in the layer's type or quantized (KVCacheFormat, kv_cache.hpp).
+  KVCache<T> make_kv_cache(Index batch, Index capacity, Index window = -1,
+                           KVCacheFormat format = KVCacheFormat::as_layer) const {
+    return KVCache<T>(batch, num_kv_heads(), head_dim(), capacity, window, format);
   }
 
   // What decode needs by default: causal, no weights.

@@ -8,7 +8,10 @@
 //     with weights, within the tolerance of kernels_agree below;
 //   - a call refused with weights is refused without them, and the flash kernel refuses what
 //     the reference kernel refuses;
-//   - with Precision::bf16, a call runs wherever fp32 ran, with a finite output.
+//   - with Precision::bf16, a call runs wherever fp32 ran, with a finite output;
+//   - decoding the query as a prompt through a quantized KV cache (q8 or q4) runs wherever
+//     decoding it through a cache of the layer's type runs (unless the format itself is refused:
+//     H_kv·D not whole blocks of 32), with a finite output.
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -17,6 +20,7 @@
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "fuzz_support.hpp"
@@ -293,7 +297,23 @@ std::optional<mha::ForwardResult<T>> try_forward(const mha::MultiHeadAttention<T
 
 mha_fuzz::Tally tally("fuzz_forward",
                       {"layer refused (ShapeError)", "call refused by every kernel (ShapeError)",
-                       "ran and compared", "ran and compared, and ran in bf16"});
+                       "ran and compared", "ran and compared, and ran in bf16",
+                       "ran, ran in bf16, and decoded through a quantized cache"});
+
+// Decodes x (a prompt, [B, L, E] or [L, E]) through a fresh cache of `format`: the output, or the
+// message of the library's refusal.
+template <class T>
+std::pair<std::optional<Tensor<T>>, std::string> try_decode(const mha::MultiHeadAttention<T>& layer,
+                                                            const Tensor<T>& x,
+                                                            mha::KVCacheFormat format) {
+  try {
+    const Index batch = x.rank() == 3 ? x.dim(0) : 1;
+    auto cache = layer.make_kv_cache(batch, x.dim(x.rank() - 2), -1, format);
+    return {layer.decode(x.view(), cache).output, ""};
+  } catch (const mha::ShapeError& e) {
+    return {std::nullopt, e.what()};
+  }
+}
 
 template <class T>
 void run_case(const Case& c, Choices& choices) {
@@ -383,7 +403,19 @@ void run_case(const Case& c, Choices& choices) {
   const auto bf16 = try_forward(layer, query, key_input, value_input, options);
   if (!bf16) violation("Precision::bf16 refused a call that fp32 ran");
   check_finite(bf16->output, "bf16 output");
-  tally.count(3);
+  // A quantized cache, decided by a byte after bf16's (and its format by the next).
+  if (!choices.flag()) {
+    tally.count(3);
+    return;
+  }
+  const auto format = choices.flag() ? mha::KVCacheFormat::q8 : mha::KVCacheFormat::q4;
+  const auto plain = try_decode(layer, query, mha::KVCacheFormat::as_layer);
+  const auto quantized = try_decode(layer, query, format);
+  if (plain.first && !quantized.first && quantized.second.rfind("format: ", 0) != 0) {
+    violation("a quantized cache refused a decode that the layer's type ran: " + quantized.second);
+  }
+  if (quantized.first) check_finite(*quantized.first, "output decoded through a quantized cache");
+  tally.count(4);
 }
 
 }  // namespace

@@ -4,7 +4,9 @@
 // writes back and re-reads to the same tensors and metadata; each conversion to float, double,
 // Eigen::half, Eigen::bfloat16 or bool either refuses the dtype with FileError or gives a tensor
 // of the stored shape whose conversion back to the stored dtype gives the stored bytes (NaNs
-// compared as NaNs: conversions keep NaN but not its payload).
+// compared as NaNs: conversions keep NaN but not its payload); read as an int8 layer's file
+// (io/int8_checkpoint.hpp, with one or two heads), a file is refused with FileError or ShapeError
+// or gives a layer whose file reads back to the same int8 values and scales.
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -13,6 +15,7 @@
 #include <vector>
 
 #include "fuzz_support.hpp"
+#include "mha/io/int8_checkpoint.hpp"
 #include "mha/io/safetensors.hpp"
 
 namespace {
@@ -104,7 +107,30 @@ void check_tensor(const StoredTensor& stored, const std::string& name) {
   }
 }
 
-mha_fuzz::Tally tally("fuzz_safetensors", {"malformed (FileError)", "read"});
+mha_fuzz::Tally tally("fuzz_safetensors",
+                      {"malformed (FileError)", "read", "read, and loaded as an int8 layer"});
+
+// The file as an int8 layer's with `heads` heads: refused, or loaded; whether it loaded.
+bool check_int8_layer(const mha::io::SafetensorsFile& file, mha::Index heads) {
+  try {
+    const auto frozen = mha::io::frozen_int8_from_file(file, heads);
+    const auto again = mha::io::frozen_int8_from_file(mha::io::int8_file(frozen), heads);
+    const auto expected = frozen.int8_weights(), actual = again.int8_weights();
+    if (expected.size() != actual.size()) violation("int8 weights lost in the round trip");
+    for (const auto& [name, weight] : expected) {
+      const auto other = actual.find(name);
+      if (other == actual.end() || other->second.values != weight.values ||
+          other->second.scales != weight.scales) {
+        violation("int8 weight " + name + " changed in the round trip");
+      }
+    }
+    return true;
+  } catch (const mha::io::FileError&) {
+    return false;
+  } catch (const mha::ShapeError&) {
+    return false;
+  }
+}
 
 }  // namespace
 
@@ -116,7 +142,6 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     tally.count(0);
     return 0;
   }
-  tally.count(1);
   // Every accepted file serialises (names and metadata came from valid JSON) and reads back.
   mha::io::SafetensorsFile again;
   try {
@@ -134,5 +159,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     }
     check_tensor(stored, name);
   }
+  const bool int8 = check_int8_layer(file, 1);
+  tally.count(check_int8_layer(file, 2) || int8 ? 2 : 1);
   return 0;
 }

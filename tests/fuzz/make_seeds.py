@@ -6,7 +6,8 @@ minimised with libFuzzer's -merge=1 (see README.md):
     /usr/bin/python3 tests/fuzz/make_seeds.py /tmp/seeds
 
 fuzz_safetensors: small valid files of every dtype and shape kind, then the reference fixtures
-    with one thing wrong each (truncated, header length, JSON, dtype, shape, offsets, metadata).
+    with one thing wrong each (truncated, header length, JSON, dtype, shape, offsets, metadata),
+    and an int8 layer's file.
 fuzz_mha_run: the reference fixtures (tests/reference/data/*.in.safetensors) that fit in
     MAX_LEN bytes, and variants of them with other dtypes and options.
 fuzz_forward: byte strings; each byte is a choice of the target's decoder (shape, option, mask
@@ -124,6 +125,18 @@ def safetensors_seeds():
     edited = json.loads(json.dumps(header))
     edited["__metadata__"] = ["x"]
     seeds["metadata_not_object"] = pack(edited, data)
+    # An int8 layer's file (include/mha/io/int8_checkpoint.hpp), E = 4, and one with a value of
+    # -128.
+    codes = bytes(rng.randrange(-127, 128) & 0xFF for _ in range(12 * 4))
+    int8 = {"in_proj_weight.int8": ("I8", [12, 4], codes),
+            "in_proj_weight.scale": ("F32", [12], struct.pack("<12f", *[0.01 * (i + 1) for i in range(12)])),
+            "in_proj_bias": ("F32", [12], struct.pack("<12f", *[0.1] * 12)),
+            "out_proj.weight.int8": ("I8", [4, 4], codes[:16]),
+            "out_proj.weight.scale": ("F32", [4], struct.pack("<4f", 0.02, 0.0, 0.5, 1e-30)),
+            "out_proj.bias": ("F32", [4], struct.pack("<4f", 0, 1, 2, 3))}
+    seeds["int8_layer"] = build(int8, {"mha.weights": "int8"})
+    int8["out_proj.weight.int8"] = ("I8", [4, 4], b"\x80" + codes[1:16])
+    seeds["int8_layer_minus_128"] = build(int8, {"mha.weights": "int8"})
     return seeds
 
 

@@ -96,11 +96,6 @@ struct LayerNaming {
   const char* block;   // the layer's attention tensors after PREFIX + stem + {i}: ".attention."
 };
 
-inline bool ends_with(const std::string& text, const std::string& suffix) {
-  return text.size() >= suffix.size() &&
-         text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 // The layer indices found under each prefix. Indices are decimal without leading zeros, and short
 // enough not to overflow: "layers.01." or a 30-digit index is not a layer of this family.
 inline std::map<std::string, std::set<Index>> find_layers(const SafetensorsFile& file,

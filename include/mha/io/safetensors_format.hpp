@@ -186,6 +186,11 @@ inline std::optional<std::uint64_t> element_count(const Shape& shape) {
   return has_zero ? 0 : nonzero;
 }
 
+inline bool ends_with(const std::string& text, const std::string& suffix) {
+  return text.size() >= suffix.size() &&
+         text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
 // The checks a StoredTensor built in code (not read from a file) has not been through.
 inline std::size_t checked_element_count(const StoredTensor& tensor, const std::string& name) {
   const std::optional<std::uint64_t> count = element_count(tensor.shape);

@@ -16,8 +16,8 @@
 //
 // Shapes: sequence b's queries are [n_b, H·D] and its output [n_b, H·Dv], rows query_stride and
 // out_stride apart; its keys [S_b, H_kv·D] and values [S_b, H_kv·Dv] (Stored: float, or a 16-bit
-// cache's half or bfloat16, widened as a sub-block is read), rows kv_stride apart; query head h
-// reads key/value head h / G.
+// cache's half or bfloat16, or a quantized cache's blocks, widened as a sub-block is read), rows
+// kv_stride elements (blocks) apart; query head h reads key/value head h / G.
 #pragma once
 
 #include <algorithm>
@@ -30,6 +30,7 @@
 #include "mha/kernels/convert.hpp"
 #include "mha/kernels/decode_products.hpp"
 #include "mha/kernels/flash.hpp"
+#include "mha/kernels/quantized_cache.hpp"
 
 namespace mha::detail {
 
@@ -142,7 +143,13 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
   const Index group_rows = shape.group() * n;  // key/value head g's: [g·group_rows, +group_rows)
   const Index depth = shape.head_dim, value_dim = shape.value_dim;
   const Index partial_width = kPartialHeader + value_dim;
-  const DecodePath path = decode_path(shape, n);
+  // A quantized cache with AVX-512: the register blocks for every row count, reading its codes
+  // (QuantizedRows) and widening them in registers; elsewhere the tile path below.
+  bool fused = false;
+#ifdef MHA_PACKED_GEMM_X86
+  fused = is_quantized_block_v<Stored> && value_blocks_available(depth, value_dim);
+#endif
+  const DecodePath path = fused ? DecodePath::blocks : decode_path(shape, n);
   const bool lanes = path == DecodePath::lanes, panels = path == DecodePath::panels;
   const bool blocks = path == DecodePath::blocks || lanes;  // P·V by the register blocks
   // One row per key/value head: the cache's rows read whole, head after head
@@ -196,6 +203,10 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
     stride = shape.kv_stride;
     if constexpr (std::is_same_v<Stored, float>) {
       return stored;
+    } else if constexpr (is_quantized_block_v<Stored>) {
+      dequantize_rows(stored, count, width, shape.kv_stride, tile);
+      stride = width;
+      return tile.data();
     } else {
       widen_rows(stored, count, width, shape.kv_stride, tile);
       stride = width;
@@ -209,7 +220,8 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
   // their own cost a quarter of the speed (Zen 5, B = 8, H_kv = 16: 30 GB/s with them, 41
   // without, bench/RESULTS.md 2026-12-02, fourth session).
   const auto prefetch = [&](const Stored* base, Index j0, Index count, Index width) {
-    if (!panels) return;
+    // (A quantized cache's rows are read in order as they are widened.)
+    if (!panels || is_quantized_block_v<Stored>) return;
     constexpr Index kLine = 64 / static_cast<Index>(sizeof(Stored));
     for (Index j = c0 + j0; j < c0 + j0 + count; ++j) {
       for (Index d = 0; d < width; d += kLine) __builtin_prefetch(base + j * shape.kv_stride + d);
@@ -244,6 +256,40 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
                       : rows_ahead(seq.values, 0, value_sub, g * value_dim);
   };
 
+  // A quantized cache's keys [c0 + j0, + count) into every key/value head's scores, and its
+  // values into their sums, by the register blocks (fused). (Requesting each next sub-block's
+  // rows ahead, as the float blocks do, measured no faster here.)
+  const auto quantized_scores = [&](Index j0, Index count) {
+#ifdef MHA_PACKED_GEMM_X86
+    if constexpr (is_quantized_block_v<Stored>) {
+      for (Index g = 0; g < shape.kv_heads; ++g) {
+        const Index r0 = g * group_rows;
+        scaled_dot_row_blocks(mine.packed_queries.data() + r0 * depth, group_rows,
+                              QuantizedRows<Stored>{seq.keys + (c0 + j0) * shape.kv_stride,
+                                                    shape.kv_stride, g * depth},
+                              count, depth, options.scale, &scores(r0, j0), scores.outerStride(),
+                              RowsAhead{});
+      }
+    }
+#endif
+    arguments_unused(j0, count);
+  };
+  const auto quantized_values = [&](Index j0, Index count) {
+#ifdef MHA_PACKED_GEMM_X86
+    if constexpr (is_quantized_block_v<Stored>) {
+      for (Index g = 0; g < shape.kv_heads; ++g) {
+        const Index r0 = g * group_rows;
+        value_row_blocks(&scores(r0, j0), scores.outerStride(), group_rows,
+                         QuantizedRows<Stored>{seq.values + (c0 + j0) * shape.kv_stride,
+                                               shape.kv_stride, g * value_dim},
+                         count, value_dim, j0 == 0, &mine.acc(r0, 0), mine.acc.outerStride(),
+                         RowsAhead{});
+      }
+    }
+#endif
+    arguments_unused(j0, count);
+  };
+
   // pass 1: scores, a sub-block of keys at a time for every key/value head.
   for (Index j0 = 0; j0 < cols; j0 += key_sub) {
     const Index count = std::min(key_sub, cols - j0);
@@ -251,6 +297,10 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
       prefetch(seq.keys, j0 + count, std::min(key_sub, cols - j0 - count), shape.kv_heads * depth);
     } else {
       prefetch(seq.values, 0, std::min(value_sub, cols), shape.kv_heads * value_dim);
+    }
+    if (fused) {
+      quantized_scores(j0, count);
+      continue;
     }
     Index stride = 0;
     const float* keys =
@@ -328,6 +378,10 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
     if (j0 + count < cols) {
       prefetch(seq.values, j0 + count, std::min(value_sub, cols - j0 - count),
                shape.kv_heads * value_dim);
+    }
+    if (fused) {
+      quantized_values(j0, count);
+      continue;
     }
     Index stride = 0;
     const float* values =

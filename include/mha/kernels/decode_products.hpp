@@ -180,6 +180,23 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 load_once(const 
   return packet;
 }
 
+// Where the register blocks below read their keys or values, 16 consecutive values of a row at a
+// time: row(j) for row j, load(row, e) for its values [e, e + 16) of the block's columns,
+// rows_from(j) and columns_from(c) for the rows and columns that start there. FloatRows are a
+// float cache's rows as they are, `stride` floats apart; quantized_products.hpp's QuantizedRows
+// widen a quantized cache's codes as they load.
+struct FloatRows {
+  const float* first = nullptr;
+  Index stride = 0;
+
+  const float* row(Index j) const { return first + j * stride; }
+  FloatRows rows_from(Index j) const { return {row(j), stride}; }
+  FloatRows columns_from(Index c) const { return {first + c, stride}; }
+  __attribute__((target("avx512f"), always_inline)) static __m512 load(const float* row, Index e) {
+    return load_once(row + e);
+  }
+};
+
 // The sums across lanes of sixteen packets, in one packet: lane 4c + t holds the sum of
 // v[4t + c]. Four rounds, each adding pairs of halves (256-bit, 128-bit, 64-bit, 32-bit) of two
 // packets into one: 30 shuffles and 15 additions for sixteen sums, beside the 128 FMAs that form
@@ -208,29 +225,30 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 reduce_sixteen(
 }
 
 // out[r · out_stride + j] = scale · q_r · key_j for r < Rows and j < valid (at most Keys): q as
-// packets of its Rows rows in turn ([depth / 16, Rows, 16], see prepare_query_rows), the keys'
-// rows key_stride apart, depth a multiple of 16. A key past `valid` repeats the last one (its
-// sums are not stored). Row r's key j sums in packet 4 (j % 4) + r · (Keys / 4) + j / 4, so
-// that reduce_sixteen leaves the block row-major: lane r · Keys + j.
-template <Index Rows, Index Keys>
+// packets of its Rows rows in turn ([depth / 16, Rows, 16], see prepare_query_rows), the keys
+// from `keys` (a row source, above), depth a multiple of 16; `ahead`, float rows keys.stride
+// apart to request, or null. A key past `valid` repeats the last one (its sums are not stored).
+// Row r's key j sums in packet 4 (j % 4) + r · (Keys / 4) + j / 4, so that reduce_sixteen leaves
+// the block row-major: lane r · Keys + j.
+template <Index Rows, Index Keys, class Source>
 __attribute__((target("avx512f"), always_inline)) inline void scaled_dot_block(
-    Index depth, const float* q, const float* keys, Index key_stride, Index valid, float scale,
-    float* out, Index out_stride, const float* ahead) {
+    Index depth, const float* q, const Source& keys, Index valid, float scale, float* out,
+    Index out_stride, const float* ahead) {
   static_assert(Keys % 4 == 0 && Rows * Keys <= 16, "a block's sums fill at most 16 packets");
   __m512 sums[16];
   MHA_UNROLL
   for (__m512& sum : sums) sum = _mm512_setzero_ps();
-  const float* key[Keys];
+  decltype(keys.row(0)) key[Keys];
   MHA_UNROLL
-  for (Index j = 0; j < Keys; ++j) key[j] = keys + std::min<Index>(j, valid - 1) * key_stride;
+  for (Index j = 0; j < Keys; ++j) key[j] = keys.row(std::min<Index>(j, valid - 1));
   for (Index d = 0; d < depth; d += 16, q += 16 * Rows) {
     __m512 k[Keys];
     MHA_UNROLL
-    for (Index j = 0; j < Keys; ++j) k[j] = load_once(key[j] + d);
+    for (Index j = 0; j < Keys; ++j) k[j] = keys.load(key[j], d);
     if (ahead != nullptr) {
       MHA_UNROLL
       for (Index j = 0; j < Keys; ++j) {
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + j * key_stride + d), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + j * keys.stride + d), _MM_HINT_T0);
       }
     }
     MHA_UNROLL
@@ -266,12 +284,12 @@ __attribute__((target("avx512f"), always_inline)) inline void scaled_dot_block(
 }
 
 // acc[r · acc_stride + c] = (first ? 0 : acc) + Σ_j p[r · p_stride + j] · values_j[c] for r <
-// Rows and c < 16 · Panels, j < count: value rows value_stride apart, each packet of a row loaded
-// once for all the block's rows.
-template <Index Rows, Index Panels>
+// Rows and c < 16 · Panels, j < count: value rows from `values` (a row source), each packet of a
+// row loaded once for all the block's rows; `ahead`, float rows values.stride apart to request.
+template <Index Rows, Index Panels, class Source>
 __attribute__((target("avx512f"), always_inline)) inline void value_block(
-    Index count, const float* p, Index p_stride, const float* values, Index value_stride,
-    bool first, float* acc, Index acc_stride, const RowsAhead& ahead) {
+    Index count, const float* p, Index p_stride, const Source& values, bool first, float* acc,
+    Index acc_stride, const RowsAhead& ahead) {
   static_assert(Rows * Panels <= 16, "a block's sums fill at most 16 registers");
   __m512 sums[Rows][Panels];
   MHA_UNROLL
@@ -283,12 +301,13 @@ __attribute__((target("avx512f"), always_inline)) inline void value_block(
   }
   for (Index j = 0; j < count; ++j) {
     __m512 v[Panels];
+    const auto row = values.row(j);
     MHA_UNROLL
-    for (Index c = 0; c < Panels; ++c) v[c] = load_once(values + j * value_stride + 16 * c);
+    for (Index c = 0; c < Panels; ++c) v[c] = values.load(row, 16 * c);
     if (j < ahead.count) {
       MHA_UNROLL
       for (Index c = 0; c < Panels; ++c) {
-        _mm_prefetch(reinterpret_cast<const char*>(ahead.rows + j * value_stride + 16 * c),
+        _mm_prefetch(reinterpret_cast<const char*>(ahead.rows + j * values.stride + 16 * c),
                      _MM_HINT_T0);
       }
     }
@@ -421,36 +440,92 @@ __attribute__((target("avx512f"), noinline)) inline void scaled_dot_lanes_of(
 // scaled_dot_rows for `Rows` rows: blocks of Keys keys along the count, each block's keys in the
 // next call's rows requested before it. Not inlined: inlined into the decoding task, GCC 12
 // kept the blocks' registers on the stack.
-template <Index Rows, Index Keys>
+template <Index Rows, Index Keys, class Source>
 __attribute__((target("avx512f"), noinline)) void scaled_dot_rows_of(
-    const float* q, const float* keys, Index key_stride, Index count, Index depth, float scale,
-    float* scores, Index score_stride, RowsAhead ahead) {
+    const float* q, const Source& keys, Index count, Index depth, float scale, float* scores,
+    Index score_stride, RowsAhead ahead) {
   for (Index j = 0; j < count; j += Keys) {
     // A block requests the next call's rows of the same keys, where it has them all.
     const bool request = ahead.rows != nullptr && j + Keys <= ahead.count;
-    scaled_dot_block<Rows, Keys>(depth, q, keys + j * key_stride, key_stride,
-                                 std::min<Index>(Keys, count - j), scale, scores + j, score_stride,
-                                 request ? ahead.rows + j * key_stride : nullptr);
+    scaled_dot_block<Rows, Keys>(depth, q, keys.rows_from(j), std::min<Index>(Keys, count - j),
+                                 scale, scores + j, score_stride,
+                                 request ? ahead.rows + j * keys.stride : nullptr);
   }
 }
 
 // accumulate_value_rows for `Rows` rows: blocks of Panels packets along the width, then single
 // packets; each block's columns of the next call's rows requested before it.
-template <Index Rows, Index Panels>
+template <Index Rows, Index Panels, class Source>
 __attribute__((target("avx512f"), noinline)) void accumulate_value_rows_of(
-    const float* p, Index p_stride, const float* values, Index value_stride, Index count,
-    Index width, bool first, float* acc, Index acc_stride, RowsAhead ahead) {
+    const float* p, Index p_stride, const Source& values, Index count, Index width, bool first,
+    float* acc, Index acc_stride, RowsAhead ahead) {
   const auto shifted = [&](Index c) {
     return ahead.rows != nullptr ? RowsAhead{ahead.rows + c, ahead.count} : RowsAhead{};
   };
   Index c = 0;
   for (; c + 16 * Panels <= width; c += 16 * Panels) {
-    value_block<Rows, Panels>(count, p, p_stride, values + c, value_stride, first, acc + c,
+    value_block<Rows, Panels>(count, p, p_stride, values.columns_from(c), first, acc + c,
                               acc_stride, shifted(c));
   }
   for (; c < width; c += 16) {
-    value_block<Rows, 1>(count, p, p_stride, values + c, value_stride, first, acc + c, acc_stride,
+    value_block<Rows, 1>(count, p, p_stride, values.columns_from(c), first, acc + c, acc_stride,
                          shifted(c));
+  }
+}
+
+// scaled_dot_rows' and accumulate_value_rows' register blocks over any row source: blocks of 4
+// rows, then one of 3, 2 or 1. The first block of rows requests the rows `ahead`; the others find
+// them in cache.
+template <class Source>
+__attribute__((target("avx512f"))) void scaled_dot_row_blocks(const float* q, Index rows,
+                                                              const Source& keys, Index count,
+                                                              Index depth, float scale,
+                                                              float* scores, Index score_stride,
+                                                              const RowsAhead& ahead) {
+  Index r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    scaled_dot_rows_of<4, 4>(q + r * depth, keys, count, depth, scale, scores + r * score_stride,
+                             score_stride, r == 0 ? ahead : RowsAhead{});
+  }
+  const Index left = rows - r;
+  const float* q_left = q + r * depth;
+  float* scores_left = scores + r * score_stride;
+  const RowsAhead left_ahead = r == 0 ? ahead : RowsAhead{};
+  if (left == 3) {
+    scaled_dot_rows_of<3, 4>(q_left, keys, count, depth, scale, scores_left, score_stride,
+                             left_ahead);
+  } else if (left == 2) {
+    scaled_dot_rows_of<2, 8>(q_left, keys, count, depth, scale, scores_left, score_stride,
+                             left_ahead);
+  } else if (left == 1) {
+    scaled_dot_rows_of<1, 8>(q_left, keys, count, depth, scale, scores_left, score_stride,
+                             left_ahead);
+  }
+}
+
+template <class Source>
+__attribute__((target("avx512f"))) void value_row_blocks(const float* p, Index p_stride, Index rows,
+                                                         const Source& values, Index count,
+                                                         Index value_dim, bool first, float* acc,
+                                                         Index acc_stride, const RowsAhead& ahead) {
+  Index r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    accumulate_value_rows_of<4, 4>(p + r * p_stride, p_stride, values, count, value_dim, first,
+                                   acc + r * acc_stride, acc_stride, r == 0 ? ahead : RowsAhead{});
+  }
+  const Index left = rows - r;
+  const float* p_left = p + r * p_stride;
+  float* acc_left = acc + r * acc_stride;
+  const RowsAhead left_ahead = r == 0 ? ahead : RowsAhead{};
+  if (left == 3) {
+    accumulate_value_rows_of<3, 4>(p_left, p_stride, values, count, value_dim, first, acc_left,
+                                   acc_stride, left_ahead);
+  } else if (left == 2) {
+    accumulate_value_rows_of<2, 8>(p_left, p_stride, values, count, value_dim, first, acc_left,
+                                   acc_stride, left_ahead);
+  } else if (left == 1) {
+    accumulate_value_rows_of<1, 8>(p_left, p_stride, values, count, value_dim, first, acc_left,
+                                   acc_stride, left_ahead);
   }
 }
 #endif
@@ -539,27 +614,8 @@ inline void scaled_dot_rows(const float* q, Index rows, const float* keys, Index
                             Index score_stride, const RowsAhead& ahead = {}) {
 #ifdef MHA_PACKED_GEMM_X86
   if (rows > 1 && value_blocks_available(depth, depth)) {
-    // The first block of rows requests the next keys; the others find them in cache.
-    Index r = 0;
-    for (; r + 4 <= rows; r += 4) {
-      scaled_dot_rows_of<4, 4>(q + r * depth, keys, key_stride, count, depth, scale,
-                               scores + r * score_stride, score_stride,
-                               r == 0 ? ahead : RowsAhead{});
-    }
-    const Index left = rows - r;
-    const float* q_left = q + r * depth;
-    float* scores_left = scores + r * score_stride;
-    const RowsAhead left_ahead = r == 0 ? ahead : RowsAhead{};
-    if (left == 3) {
-      scaled_dot_rows_of<3, 4>(q_left, keys, key_stride, count, depth, scale, scores_left,
-                               score_stride, left_ahead);
-    } else if (left == 2) {
-      scaled_dot_rows_of<2, 8>(q_left, keys, key_stride, count, depth, scale, scores_left,
-                               score_stride, left_ahead);
-    } else if (left == 1) {
-      scaled_dot_rows_of<1, 8>(q_left, keys, key_stride, count, depth, scale, scores_left,
-                               score_stride, left_ahead);
-    }
+    scaled_dot_row_blocks(q, rows, FloatRows{keys, key_stride}, count, depth, scale, scores,
+                          score_stride, ahead);
     return;
   }
 #endif
@@ -577,26 +633,8 @@ inline void accumulate_value_rows(const float* p, Index p_stride, Index rows, co
                                   float* acc, Index acc_stride, const RowsAhead& ahead = {}) {
 #ifdef MHA_PACKED_GEMM_X86
   if (rows > 1 && value_blocks_available(value_dim, value_dim)) {
-    Index r = 0;
-    for (; r + 4 <= rows; r += 4) {
-      accumulate_value_rows_of<4, 4>(p + r * p_stride, p_stride, values, value_stride, count,
-                                     value_dim, first, acc + r * acc_stride, acc_stride,
-                                     r == 0 ? ahead : RowsAhead{});
-    }
-    const Index left = rows - r;
-    const float* p_left = p + r * p_stride;
-    float* acc_left = acc + r * acc_stride;
-    const RowsAhead left_ahead = r == 0 ? ahead : RowsAhead{};
-    if (left == 3) {
-      accumulate_value_rows_of<3, 4>(p_left, p_stride, values, value_stride, count, value_dim,
-                                     first, acc_left, acc_stride, left_ahead);
-    } else if (left == 2) {
-      accumulate_value_rows_of<2, 8>(p_left, p_stride, values, value_stride, count, value_dim,
-                                     first, acc_left, acc_stride, left_ahead);
-    } else if (left == 1) {
-      accumulate_value_rows_of<1, 8>(p_left, p_stride, values, value_stride, count, value_dim,
-                                     first, acc_left, acc_stride, left_ahead);
-    }
+    value_row_blocks(p, p_stride, rows, FloatRows{values, value_stride}, count, value_dim, first,
+                     acc, acc_stride, ahead);
     return;
   }
 #endif

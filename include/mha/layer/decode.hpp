@@ -35,6 +35,45 @@ struct Decoding {
                                const std::vector<Index>& new_tokens,
                                const PackedProjections* packed = nullptr);
 
+  // A step's `count` new rows of keys and values [count, H_kv·D] into sequence b's cache from row
+  // `first`: narrowed to the layer's type, or quantized.
+  static void store_rows(KVCache<T>& cache, Index b, Index first, Index count, const Compute* keys,
+                         const Compute* values) {
+    const Index width = cache.width();
+    if constexpr (std::is_same_v<Compute, float>) {
+      if (cache.format() == KVCacheFormat::q8) {
+        quantize_rows(keys, count, width, cache.template block_row<Q8Block>(false, b, first));
+        quantize_rows(values, count, width, cache.template block_row<Q8Block>(true, b, first));
+        return;
+      }
+      if (cache.format() == KVCacheFormat::q4) {
+        quantize_rows(keys, count, width, cache.template block_row<Q4Block>(false, b, first));
+        quantize_rows(values, count, width, cache.template block_row<Q4Block>(true, b, first));
+        return;
+      }
+    }
+    narrow(keys, count * width, cache.key_row(b, first));
+    narrow(values, count * width, cache.value_row(b, first));
+  }
+
+  // A quantized cache's rows [start, start + rows) of sequence b, widened into its float buffers.
+  static void widen_cached(KVCache<T>& cache, Index b, Index start, Index rows) {
+    const Index width = cache.width(), blocks = width / kQuantBlock;
+    cache.widened_keys_.resize(rows, width);
+    cache.widened_values_.resize(rows, width);
+    if (cache.format() == KVCacheFormat::q8) {
+      dequantize_rows(cache.template block_row<Q8Block>(false, b, start), rows, width, blocks,
+                      cache.widened_keys_);
+      dequantize_rows(cache.template block_row<Q8Block>(true, b, start), rows, width, blocks,
+                      cache.widened_values_);
+    } else {
+      dequantize_rows(cache.template block_row<Q4Block>(false, b, start), rows, width, blocks,
+                      cache.widened_keys_);
+      dequantize_rows(cache.template block_row<Q4Block>(true, b, start), rows, width, blocks,
+                      cache.widened_values_);
+    }
+  }
+
   // Every check of a step, before anything changes; returns n.
   static Index check(const LayerParameters<T>& parameters, const TensorView<const T>& x,
                      const KVCache<T>& cache, const ForwardOptions<T>& options,
@@ -99,6 +138,8 @@ ForwardResult<T> Decoding<T>::step(const LayerParameters<T>& parameters,
     batched = kernel == Kernel::flash && !options.pattern.active() && decode_kernel_applies(core);
   }
   cache.decode_sequences_.clear();
+  cache.q8_sequences_.clear();
+  cache.q4_sequences_.clear();
   for (Index b = 0; b < batch; ++b) {
     const Index count = new_tokens.empty() ? steps : new_tokens[static_cast<std::size_t>(b)];
     if (count == 0) continue;
@@ -112,16 +153,25 @@ ForwardResult<T> Decoding<T>::step(const LayerParameters<T>& parameters,
                    false);
     }
     const Index first = cache.reserve(b, count);
-    narrow(keys, count * width, cache.key_row(b, first));
-    narrow(values, count * width, cache.value_row(b, first));
+    store_rows(cache, b, first, count, keys, values);
     const Index start = cache.start_[static_cast<std::size_t>(b)];
     const Index total_keys = first + count - start;
     Compute* attended = cache.attended_.data() + b * steps * inner;
     if constexpr (std::is_same_v<Compute, float>) {
       if (batched && count < kPanelsMinQueries) {
         // (advance() below moves no rows: these stay where they are until the kernel has run.)
-        cache.decode_sequences_.push_back({queries, attended, cache.key_row(b, start),
-                                           cache.value_row(b, start), count, total_keys});
+        if (cache.format() == KVCacheFormat::q8) {
+          cache.q8_sequences_.push_back(
+              {queries, attended, cache.template block_row<Q8Block>(false, b, start),
+               cache.template block_row<Q8Block>(true, b, start), count, total_keys});
+        } else if (cache.format() == KVCacheFormat::q4) {
+          cache.q4_sequences_.push_back(
+              {queries, attended, cache.template block_row<Q4Block>(false, b, start),
+               cache.template block_row<Q4Block>(true, b, start), count, total_keys});
+        } else {
+          cache.decode_sequences_.push_back({queries, attended, cache.key_row(b, start),
+                                             cache.value_row(b, start), count, total_keys});
+        }
         cache.advance(b, count);
         continue;
       }
@@ -129,18 +179,46 @@ ForwardResult<T> Decoding<T>::step(const LayerParameters<T>& parameters,
     core.causal_cols = total_keys;
     core.pattern =
         checked_pattern(options.pattern, heads, count, total_keys, Alignment::bottom_right);
-    attention<Compute>(
-        kernel, 1, heads, parameters.template head_layout<const Compute>(queries, count, inner),
-        parameters.template kv_head_layout<const T>(cache.key_row(b, start), total_keys, width),
-        parameters.template kv_head_layout<const T>(cache.value_row(b, start), total_keys, width),
-        parameters.head_layout(attended, count, inner), core, nullptr, cache.kernel_);
+    const auto queries_layout =
+        parameters.template head_layout<const Compute>(queries, count, inner);
+    const auto attended_layout = parameters.head_layout(attended, count, inner);
+    bool widened = false;  // (only a cache of a layer computing in float is quantized)
+    if constexpr (std::is_same_v<Compute, float>) {
+      if (cache.quantized()) {
+        // A step of many tokens: the sequence's cache widened once, then the flash kernel.
+        widen_cached(cache, b, start, total_keys);
+        attention<Compute>(kernel, 1, heads, queries_layout,
+                           parameters.template kv_head_layout<const float>(
+                               cache.widened_keys_.data(), total_keys, width),
+                           parameters.template kv_head_layout<const float>(
+                               cache.widened_values_.data(), total_keys, width),
+                           attended_layout, core, nullptr, cache.kernel_);
+        widened = true;
+      }
+    }
+    if (!widened) {
+      attention<Compute>(
+          kernel, 1, heads, queries_layout,
+          parameters.template kv_head_layout<const T>(cache.key_row(b, start), total_keys, width),
+          parameters.template kv_head_layout<const T>(cache.value_row(b, start), total_keys, width),
+          attended_layout, core, nullptr, cache.kernel_);
+    }
     cache.advance(b, count);
   }
   if constexpr (std::is_same_v<Compute, float>) {
+    // kv_stride counts the cache's elements, or its blocks for a quantized cache.
+    const DecodeShape shape{heads, parameters.num_kv_heads(), head_dim, head_dim, inner, inner,
+                            width};
+    DecodeShape block_shape = shape;
+    block_shape.kv_stride = width / kQuantBlock;
     if (!cache.decode_sequences_.empty()) {
-      const DecodeShape shape{heads, parameters.num_kv_heads(), head_dim, head_dim, inner, inner,
-                              width};
       decode_attention(cache.decode_sequences_, shape, core, cache.kernel_, cache.decode_);
+    }
+    if (!cache.q8_sequences_.empty()) {
+      decode_attention(cache.q8_sequences_, block_shape, core, cache.kernel_, cache.decode_);
+    }
+    if (!cache.q4_sequences_.empty()) {
+      decode_attention(cache.q4_sequences_, block_shape, core, cache.kernel_, cache.decode_);
     }
   }
 
