@@ -14,9 +14,10 @@
 // KVCacheFormat::q8 and q4 store them quantized instead, in blocks of 32 values with a scale each
 // (kernels/quantized_cache.hpp): about a half (q8) and a quarter (q4) of a 16-bit cache's memory,
 // and of the bytes each decoding step reads, which is what bounds a step over a long context.
-// The decoding kernel widens them a sub-block at a time as it reads them; a step of many tokens
-// (a prompt) widens its sequence's whole cache into a float buffer first. Every value read back
-// is within half its block's scale of the value stored (max |block| / 254 for q8, / 14 for q4).
+// The decoding kernel widens them in its registers as it reads them (into a float tile a
+// sub-block at a time where AVX-512 is absent); a step of many tokens (a prompt) widens its
+// sequence's whole cache into a float buffer first. Every value read back is within half its
+// block's scale of the value stored (about max |block| / 254 for q8, / 14 for q4).
 //
 // A sliding-window cache (window = w >= 0) keeps only the last w keys of each sequence: enough for
 // attention whose window looks back w keys (ForwardOptions::window.left <= w), as Mistral decodes.
@@ -184,10 +185,11 @@ class KVCache {
   TensorView<const T> rows(const Tensor<T>& storage, Index b) const {
     const auto i = checked(b);
     if (quantized()) {
-      detail::throw_argument("b", std::string("keys() and values() view the rows of a cache that "
-                                              "stores the layer's type; this one is ") +
-                                      kv_cache_format_name(format_) +
-                                      ": read it with dequantized_keys() and dequantized_values()");
+      detail::throw_argument("keys, values",
+                             std::string("they view the rows of a cache that "
+                                         "stores the layer's type; this one is ") +
+                                 kv_cache_format_name(format_) +
+                                 ": read it with dequantized_keys() and dequantized_values()");
     }
     return make_view(storage.data() + (b * capacity() + start_[i]) * width(),
                      Shape{length_[i], width()});

@@ -11,10 +11,12 @@
 // would make the attention's output NaN in a float cache. (A block whose largest magnitude is
 // within 2^-7 of float's largest may read back as infinity.)
 //
-// A decoding step quantizes its new rows once (quantize_rows) and the decoding kernel widens the
-// cache a sub-block of rows at a time into a float tile in L1 (dequantize_rows) before its
-// products, as it widens a 16-bit cache. Every code times its scale is exact in float (at most 7
-// + 8 significant bits), so the AVX-512 path and the scalar one give the same floats.
+// A decoding step quantizes its new rows once (quantize_rows). With AVX-512 the decoding kernel's
+// register blocks read the codes and widen them in registers, 16 values at a time
+// (QuantizedRows); elsewhere it widens a sub-block of rows into a float tile in L1
+// (dequantize_rows) before its products, as it widens a 16-bit cache. Every code times its scale
+// is exact in float (at most 7 + 8 significant bits), so the AVX-512 paths and the scalar one
+// give the same floats.
 #pragma once
 
 #include <algorithm>
@@ -194,7 +196,7 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 load_quantized(c
 // How many rows ahead QuantizedRows requests what it loads: one sub-block of the decoding
 // kernel's register blocks (kDecodeBlocksSubBlock). With these requests a step over 16384 cached
 // tokens (q8, B = 4, H_kv = 4, the kernel alone, a throwaway program) took 5.9 ms instead of
-// 10.6; 16 rows ahead, 6.1 ms.
+// 10.6; 16 rows ahead, 6.1 ms (bench/RESULTS.md, 2026-12-06, fifth session).
 constexpr Index kQuantizedRowsAhead = 8;
 
 // A quantized cache's rows as a row source of the decoding kernel's register blocks (see
