@@ -430,6 +430,46 @@ TEST_CASE("int8 weights: per-row scales, levels within half a step, products as 
   }
 }
 
+TEST_CASE("int8 weights of rows at float's extremes: finite scales, levels within a step",
+          "[precision][int8]") {
+  // Rows whose largest magnitude is a few subnormal steps (its scale / 127 would round to 0),
+  // a row of the largest floats, and one of ordinary values.
+  const float tiny = std::numeric_limits<float>::denorm_min();
+  const float huge = std::numeric_limits<float>::max();
+  const std::vector<std::vector<float>> rows = {{tiny, 0.0F, -tiny, 0.0F},
+                                                {10 * tiny, -3 * tiny, 0.0F, tiny},
+                                                {200 * tiny, -199 * tiny, 5 * tiny, 0.0F},
+                                                {huge, -huge, huge / 3, 0.0F},
+                                                {0.5F, -0.25F, 0.0F, 1.0F}};
+  const Index outputs = static_cast<Index>(rows.size()), depth = 4;
+  std::vector<float> weight;
+  for (const auto& row : rows) weight.insert(weight.end(), row.begin(), row.end());
+  mha::detail::Int8Weight q;
+  mha::detail::quantize_int8_weight(weight.data(), outputs, depth, depth, q);
+  for (Index n = 0; n < outputs; ++n) {
+    INFO("row " << n);
+    const float scale = q.scales[static_cast<std::size_t>(n)];
+    CHECK(std::isfinite(scale));
+    CHECK(scale > 0.0F);
+    for (Index k = 0; k < depth; ++k) {
+      const double w = weight[static_cast<std::size_t>(n * depth + k)];
+      // Half a step, plus what a subnormal scale's rounding adds at level 127.
+      CHECK(std::abs(w - static_cast<double>(q.dequantized(n, k))) <=
+            0.5 * static_cast<double>(scale) + 127.0 * static_cast<double>(tiny));
+    }
+  }
+  // A row under 127 subnormal steps is held exactly.
+  for (Index n = 0; n < 2; ++n) {
+    for (Index k = 0; k < depth; ++k)
+      CHECK(q.dequantized(n, k) == weight[static_cast<std::size_t>(n * depth + k)]);
+  }
+  // The products are finite where the float products are: FLT_MAX · 1 included.
+  const std::vector<float> x = {1.0F, 0.0F, 0.0F, 0.0F};
+  std::vector<float> dst(static_cast<std::size_t>(outputs));
+  mha::detail::int8_product(x.data(), 1, depth, q, dst.data(), outputs);
+  for (const float value : dst) CHECK(std::isfinite(value));
+}
+
 TEST_CASE("a frozen layer with int8 weights stays within 2e-2 of float64, forward and decode",
           "[precision][int8]") {
   for (const bool packed_projection : {true, false}) {

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "mha/kernels/common.hpp"
@@ -34,7 +35,9 @@ struct Int8Weight {
 };
 
 // W [outputs, depth] (rows `stride` elements apart) quantized into `out`. A row of zeros gets
-// scale 0 and zeros; W must be finite (the caller checks).
+// scale 0 and zeros; W must be finite (the caller checks). A row whose largest magnitude is below
+// 127 subnormal steps (about 1.8e-43) would get a scale that rounds to 0, and 0 / 0 levels: its
+// scale is the smallest subnormal instead, whose multiples hold such a row exactly.
 template <class Source>
 void quantize_int8_weight(const Source* weight, Index outputs, Index depth, Index stride,
                           Int8Weight& out) {
@@ -48,7 +51,9 @@ void quantize_int8_weight(const Source* weight, Index outputs, Index depth, Inde
     for (Index k = 0; k < depth; ++k)
       largest = std::max(largest, std::abs(static_cast<float>(row[k])));
     if (largest == 0.0F) continue;
-    const float scale = largest / 127.0F;
+    float scale = std::max(largest / 127.0F, std::numeric_limits<float>::denorm_min());
+    // Near FLT_MAX, largest / 127 rounded up would make the weight 127 · scale infinite.
+    if (!std::isfinite(127.0F * scale)) scale = std::nextafter(scale, 0.0F);
     out.scales[static_cast<std::size_t>(n)] = scale;
     for (Index k = 0; k < depth; ++k) {
       const float level = std::nearbyint(static_cast<float>(row[k]) / scale);
