@@ -299,14 +299,22 @@ void forward(benchmark::State& state, mha::Kernel kernel, bool fresh = false,
 // gradient products, grad_a and grad_b). Both kernels' backward also recompute the scores q kᵀ
 // (flash tile by tile from the saved log-sum-exp, reference per head into its [L, S'] scratch),
 // so the work done is B·(24·L·E² + 14·L²·E): up to 1/6 more than counted as L grows.
-void train(benchmark::State& state, mha::Kernel kernel) {
+// train_bf16/: mixed precision (Precision::bf16: the projections' products, forward and backward,
+// in bf16 with fp32 sums; the attention core in fp32), against train/auto of the same run.
+void train(benchmark::State& state, mha::Kernel kernel,
+           mha::Precision precision = mha::Precision::fp32) {
   const mha::Index B = state.range(0), L = state.range(1), E = state.range(2), H = state.range(3);
+  if (precision == mha::Precision::bf16 && !mha::bf16_arithmetic_available()) {
+    state.SkipWithError("this CPU lacks AVX512_BF16");
+    return;
+  }
   mha::MultiHeadAttention<float> layer(E, H);
   const auto x = random_tensor({B, L, E}, 1);
   const auto grad_output = random_tensor({B, L, E}, 2);
   mha::ForwardOptions<float> options;
   options.need_weights = false;
   options.kernel = kernel;
+  options.precision = precision;
   mha::SavedForward<float> saved;
   // The output and the input gradients kept from step to step, as a training loop keeps them
   // (forward_train and backward into them): fresh ones take new pages at every step, 15-20 % of
@@ -1189,6 +1197,9 @@ BENCHMARK_CAPTURE(train, reference, mha::Kernel::reference)
     ->Apply(train_reference_shapes);
 BENCHMARK_CAPTURE(train, flash, mha::Kernel::flash)->Name("train/flash")->Apply(train_shapes);
 BENCHMARK_CAPTURE(train, auto, mha::Kernel::automatic) -> Name("train/auto") -> Apply(train_shapes);
+BENCHMARK_CAPTURE(train, bf16, mha::Kernel::automatic, mha::Precision::bf16)
+    ->Name("train_bf16/auto")
+    ->Apply(bf16_shapes);
 BENCHMARK_CAPTURE(sdpa, reference, mha::Kernel::reference)
     ->Name("sdpa/reference")
     ->Apply(default_shapes);

@@ -4,7 +4,7 @@
 // depend on H, and the seed is the same) and sees the same batches: only the split into heads
 // differs. Prints, per H, the held-out loss and accuracies and the training time per step.
 //
-//   build/examples/head_count_tradeoff [--seed N] [--steps N]
+//   build/examples/head_count_tradeoff [--seed N] [--steps N] [--precision fp32|bf16]
 //
 // Deterministic for a given seed and step count (the timings aside).
 #include <algorithm>
@@ -40,7 +40,7 @@ int main(int argc, char** argv) {
   specialization::ModelConfig config;
   Index steps = kDefaultSteps;
   const int exit_code = specialization::parse_arguments(
-      argc, argv, "training steps for each head count", config.seed, steps);
+      argc, argv, "training steps for each head count", config, steps);
   if (exit_code >= 0) return exit_code;
 
   const int threads = specialization::choose_threads();
@@ -49,10 +49,10 @@ int main(int argc, char** argv) {
       "(job 1: the letter two back; job 2: the letter that followed the current one's\n"
       "earlier occurrence) with E = %td fixed and H heads of D = E / H dimensions.\n"
       "Same initial parameters and same batches for every H. seed %llu, %td steps each,\n"
-      "batches of %td sequences, %d thread%s.\n"
+      "batches of %td sequences, %d thread%s; the layer in %s.\n"
       "\n",
       config.embed, static_cast<unsigned long long>(config.seed), steps, config.batch, threads,
-      threads == 1 ? "" : "s");
+      threads == 1 ? "" : "s", specialization::precision_words(config).c_str());
 
   const specialization::Batch held_out = specialization::evaluation_batch(config.seed);
   std::vector<Row> rows;

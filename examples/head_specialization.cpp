@@ -10,7 +10,8 @@
 // The heatmaps are also written as pictures, head_specialization_heads.svg (and .png when built
 // with stb), into the current directory or the one given with --output-dir.
 //
-//   build/examples/head_specialization [--seed N] [--steps N] [--output-dir DIR]
+//   build/examples/head_specialization [--seed N] [--steps N] [--precision fp32|bf16]
+//                                      [--output-dir DIR]
 //
 // Deterministic for a given seed and step count (the timings aside).
 #include <algorithm>
@@ -88,11 +89,12 @@ void print_intro(const specialization::ModelConfig& config, Index steps, int thr
       "need their softmax peaked at different keys, and each head has one softmax per\n"
       "row: two jobs, two heads. Nothing tells a head which job to take.\n"
       "\n"
-      "seed %llu, %td steps, Adam lr %g (linear decay over the second half), %d thread%s\n",
+      "seed %llu, %td steps, Adam lr %g (linear decay over the second half), %d thread%s;\n"
+      "the layer trains in %s\n",
       config.heads, kLength, static_cast<char>('A' + kVocab - 1), kRun, config.embed, config.embed,
       config.heads, config.embed / config.heads, kVocab, kVocab, config.batch,
       static_cast<unsigned long long>(config.seed), steps, config.lr, threads,
-      threads == 1 ? "" : "s");
+      threads == 1 ? "" : "s", specialization::precision_words(config).c_str());
 }
 
 // The mean row entropy of uniform causal attention: row i spreads over i + 1 keys.
@@ -281,8 +283,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape)
   std::string output_dir;
   const bool has_dir = example_pictures::take_output_dir(argc, argv, output_dir);
   const int exit_code =
-      has_dir ? specialization::parse_arguments(argc, argv, "training steps", config.seed, steps)
-              : 2;
+      has_dir ? specialization::parse_arguments(argc, argv, "training steps", config, steps) : 2;
   if (exit_code >= 0) {
     if (!has_dir) (void)std::fprintf(stderr, "%s: --output-dir needs a directory\n", argv[0]);
     (void)std::fprintf(exit_code == 0 ? stdout : stderr, "%s", example_pictures::kUsage);

@@ -126,6 +126,7 @@ Scores Model::train_step() {
   mha::ForwardOptions<float> options;
   options.is_causal = true;
   options.need_weights = false;  // the flash kernel; backward recomputes the weights
+  options.precision = config_.precision;
   const mha::ForwardResult<float> result = layer_.forward_train(x_, options, saved_);
   const mha::Tensor<float>& a = result.output;  // [B, L, E]
   logits_.resize(a.dim(0) * a.dim(1), kOutputs);
@@ -360,14 +361,17 @@ TrainingRecord train(Model& model, Index steps, Progress& progress) {
   return record;
 }
 
-int parse_arguments(int argc, char** argv, const char* steps_meaning, std::uint64_t& seed,
+int parse_arguments(int argc, char** argv, const char* steps_meaning, ModelConfig& config,
                     Index& steps) {
   const auto usage = [&](int code) {
     (void)std::fprintf(
         code == 0 ? stdout : stderr,
-        "usage: %s [--seed N] [--steps N]\n"
-        "  --seed N   seed of the initialisation and of the training data (default 1)\n"
-        "  --steps N  %s (default %td)\n",
+        "usage: %s [--seed N] [--steps N] [--precision fp32|bf16]\n"
+        "  --seed N          seed of the initialisation and of the training data (default 1)\n"
+        "  --steps N         %s (default %td)\n"
+        "  --precision P     the attention layer's training arithmetic: fp32 (default) or\n"
+        "                    bf16, mixed precision (products in bf16, sums, softmax,\n"
+        "                    parameters and Adam's state in fp32)\n",
         argv[0], steps_meaning, steps);
     return code;
   };
@@ -379,8 +383,17 @@ int parse_arguments(int argc, char** argv, const char* steps_meaning, std::uint6
     if (std::strcmp(argv[k], "--seed") == 0 && has_value) {
       const char* text = argv[++k];
       char* end = nullptr;
-      seed = std::strtoull(text, &end, 10);
+      config.seed = std::strtoull(text, &end, 10);
       if (end == text || *end != '\0') return usage(2);
+    } else if (std::strcmp(argv[k], "--precision") == 0 && has_value) {
+      const char* text = argv[++k];
+      if (std::strcmp(text, "fp32") == 0) {
+        config.precision = mha::Precision::fp32;
+      } else if (std::strcmp(text, "bf16") == 0) {
+        config.precision = mha::Precision::bf16;
+      } else {
+        return usage(2);
+      }
     } else if (std::strcmp(argv[k], "--steps") == 0 && has_value) {
       steps = parse_count(argv[++k]);
       if (steps == 0) return usage(2);
@@ -389,6 +402,13 @@ int parse_arguments(int argc, char** argv, const char* steps_meaning, std::uint6
     }
   }
   return -1;
+}
+
+std::string precision_words(const ModelConfig& config) {
+  if (config.precision != mha::Precision::bf16) return "fp32";
+  return mha::bf16_arithmetic_available()
+             ? "bf16 mixed precision"
+             : "fp32 (bf16 asked; this CPU lacks AVX512_BF16, so bf16 computes in fp32)";
 }
 
 Batch evaluation_batch(std::uint64_t seed, Index size) {

@@ -101,6 +101,10 @@ struct ModelConfig {
   Index batch = 32;  // B, sequences per training step
   double lr = 3e-3;  // Adam's learning rate
   std::uint64_t seed = 1;
+  // The layer's arithmetic in training: fp32, or bf16 mixed precision (its projections' products
+  // in bf16 with fp32 sums, forward and backward; its attention core, parameters and Adam's state
+  // in fp32). The embeddings and the readout stay fp32.
+  mha::Precision precision = mha::Precision::fp32;
 };
 
 // Loss and accuracy of both jobs over the positions where each is asked.
@@ -264,11 +268,16 @@ constexpr double kSolveAccuracy = 0.99;
 // the loss stops being a number.
 TrainingRecord train(Model& model, Index steps, Progress& progress);
 
-// The command line both examples take: --seed N, --steps N, --help. Fills seed and steps and
-// returns -1 to go on; otherwise prints the usage (steps_meaning says what a step counts) and
-// returns the exit code: 0 after --help, 2 for a bad argument.
-int parse_arguments(int argc, char** argv, const char* steps_meaning, std::uint64_t& seed,
+// The command line both examples take: --seed N, --steps N, --precision fp32|bf16, --help.
+// Fills config's seed and precision and steps and returns -1 to go on; otherwise prints the usage
+// (steps_meaning says what a step counts) and returns the exit code: 0 after --help, 2 for a bad
+// argument.
+int parse_arguments(int argc, char** argv, const char* steps_meaning, ModelConfig& config,
                     Index& steps);
+
+// How the layer trains, in words: "fp32", "bf16 mixed precision", or that this CPU lacks the
+// bf16 instructions and bf16 runs as fp32.
+std::string precision_words(const ModelConfig& config);
 
 // The held-out batch every evaluation uses: drawn from its own seed, never trained on.
 Batch evaluation_batch(std::uint64_t seed, Index size = 512);

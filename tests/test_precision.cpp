@@ -337,18 +337,20 @@ TEST_CASE("a frozen layer decodes with bf16 projections within 1e-2 of float64",
   }
 }
 
-TEST_CASE("forward_train, a layer's decode and double computations refuse bf16, naming it",
+TEST_CASE("a layer's decode, double computations and training refuse what they do not compute",
           "[precision]") {
   const MultiHeadAttention<float> layer(MultiHeadAttentionConfig(32, 2));
   const auto x = mha_test::random_tensor<float>({1, 4, 32}, 41);
   ForwardOptions<float> options;
   options.need_weights = false;
-  options.precision = Precision::bf16;
+  options.precision = Precision::int8;
   mha::SavedForward<float> saved;
   MultiHeadAttention<float> trained = layer;
   CHECK(mha_test::contains(mha_test::message_of<std::invalid_argument>(
                                [&] { trained.forward_train(x, options, saved); }),
                            "precision"));
+  CHECK_FALSE(saved.filled());
+  options.precision = Precision::bf16;
   auto cache = layer.make_kv_cache(1, 8);
   CHECK(mha_test::contains(
       mha_test::message_of<std::invalid_argument>([&] { layer.decode(x, cache, options); }),
@@ -360,6 +362,13 @@ TEST_CASE("forward_train, a layer's decode and double computations refuse bf16, 
   CHECK(mha_test::contains(mha_test::message_of<std::invalid_argument>(
                                [&] { wide.forward(mha::tensor_cast<double>(x), wide_options); }),
                            "precision"));
+  MultiHeadAttention<double> wide_trained = wide;
+  mha::SavedForward<double> wide_saved;
+  CHECK(mha_test::contains(
+      mha_test::message_of<std::invalid_argument>([&] {
+        wide_trained.forward_train(mha::tensor_cast<double>(x), wide_options, wide_saved);
+      }),
+      "bf16 on a double layer"));
 }
 
 TEST_CASE("int8 weights: per-row scales, levels within half a step, products as double's",

@@ -61,6 +61,29 @@ constexpr Index kBf16SlicePairs = 256;
 // every 6 rows of x pass over it.
 constexpr Index kBf16ChunkColumns = 256;
 
+// This thread's share of dst [rows, cols] (rows ld apart) = (or +=) A · B over `pairs` pairs, A as
+// rows of pairs (a_stride lanes apart, rows up to a multiple of 6 readable), B as panels
+// (panel_stride lanes apart): as even a share of the 32-column tiles as whole tiles allow, slice
+// by slice of kBf16SlicePairs pairs, kBf16ChunkColumns at a time, so that an element's sums are
+// the same whatever the team.
+inline void bf16_team_columns(Index rows, Index cols, Index pairs, const std::uint32_t* a,
+                              Index a_stride, const std::uint32_t* b, Index panel_stride,
+                              bool accumulate, float* dst, Index ld) {
+  constexpr Index kNr = Bf16GemmShape::kNr;
+  const Index tiles = (cols + 2 * kNr - 1) / (2 * kNr);
+  const Index team = team_size(), me = thread_index();
+  const Index first_column = tiles * me / team * 2 * kNr;
+  const Index end_column = std::min(cols, tiles * (me + 1) / team * 2 * kNr);
+  for (Index c0 = first_column; c0 < end_column; c0 += kBf16ChunkColumns) {
+    const Index width = std::min(kBf16ChunkColumns, end_column - c0);
+    for (Index p0 = 0; p0 < pairs; p0 += kBf16SlicePairs) {
+      bf16_tile_product(rows, width, std::min(kBf16SlicePairs, pairs - p0), a + p0, a_stride,
+                        b + (c0 / kNr) * panel_stride + p0 * kNr, panel_stride, 1.0F,
+                        p0 == 0 && !accumulate, dst + c0, ld);
+    }
+  }
+}
+
 // dst [M, N] (rows ld apart) = (or +=) x [M, K] (rows x_stride apart) · Wᵀ, in bf16 with fp32
 // sums, W packed by pack_bf16_weight. x is rounded into rows of pairs once (`rounded_x` grows to
 // them and is kept; rows up to a multiple of 6, the extra ones zero), shared by the threads, then
@@ -72,7 +95,6 @@ inline void bf16_projection(const float* x, Index rows, Index x_stride, const Bf
   using S = Bf16GemmShape;
   const Index depth = w.depth, outputs = w.outputs, pairs = bf16_pairs(depth);
   const Index padded_rows = (rows + S::kMr - 1) / S::kMr * S::kMr;
-  const Index tiles = (outputs + 2 * S::kNr - 1) / (2 * S::kNr);  // of 32 columns
   const auto size = static_cast<std::size_t>(padded_rows * pairs);
   if (rounded_x.size() < size) rounded_x.resize(size);
   std::uint32_t* const a = rounded_x.data();
@@ -85,18 +107,8 @@ inline void bf16_projection(const float* x, Index rows, Index x_stride, const Bf
       round_rows_bf16(x + i0 * x_stride, std::min(S::kMr, rows - i0), depth, x_stride,
                       a + i0 * pairs, pairs);
     }
-    // Each thread's 32-column tiles, as even a share as whole tiles allow.
-    const Index team = team_size(), me = thread_index();
-    const Index first_column = tiles * me / team * 2 * S::kNr;
-    const Index end_column = std::min(outputs, tiles * (me + 1) / team * 2 * S::kNr);
-    for (Index c0 = first_column; c0 < end_column; c0 += kBf16ChunkColumns) {
-      const Index width = std::min(kBf16ChunkColumns, end_column - c0);
-      for (Index p0 = 0; p0 < pairs; p0 += kBf16SlicePairs) {
-        bf16_tile_product(rows, width, std::min(kBf16SlicePairs, pairs - p0), a + p0, pairs,
-                          w.panels.data() + (c0 / S::kNr) * w.panel_stride() + p0 * S::kNr,
-                          w.panel_stride(), 1.0F, p0 == 0 && !accumulate, dst + c0, ld);
-      }
-    }
+    bf16_team_columns(rows, outputs, pairs, a, pairs, w.panels.data(), w.panel_stride(),
+                      accumulate, dst, ld);
   }
 }
 

@@ -7,12 +7,14 @@
 // multiplied (product_transposed in kernels/gemm.hpp), and its output is rounded once. A frozen
 // float layer (mha/frozen.hpp) multiplies by weights packed once (PackedProjections), with the
 // same rounding. With Precision::bf16 (on a CPU with AVX512_BF16) every layer projects in bf16
-// with fp32 sums (kernels/bf16_projection.hpp), on weights packed at the call or, frozen, once.
+// with fp32 sums (kernels/bf16_projection.hpp), on weights packed at the call or, frozen, once;
+// a float layer's backward after a bf16 forward_train likewise (kernels/bf16_matrix_product.hpp).
 #pragma once
 
 #include <type_traits>
 
 #include "mha/attention.hpp"
+#include "mha/kernels/bf16_matrix_product.hpp"
 #include "mha/kernels/bf16_projection.hpp"
 #include "mha/kernels/convert.hpp"
 #include "mha/kernels/gemm.hpp"
@@ -230,14 +232,26 @@ void project_keys(const LayerParameters<T>& parameters,
   }
 }
 
+// A backward's product dst = (or +=) op(lhs) rhs: in bf16 with fp32 sums where `bf16` is given
+// (a float layer's backward after a bf16 forward_train), else in the layer's type.
+template <class T>
+void gradient_product(StridedMap<T> dst, ConstStridedMap<T> lhs, Operand lhs_op,
+                      ConstStridedMap<T> rhs, Accumulate accumulate, Bf16ProductScratch* bf16) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (bf16 != nullptr) return bf16_matrix_product(dst, lhs, lhs_op, rhs, accumulate, *bf16);
+  }
+  matrix_product<T>(dst, lhs, lhs_op, rhs, accumulate);
+}
+
 // The backward of one projection y = x Wᵀ + b (which = 0, 1, 2 for q, k, v), where grad_y is
 // [B*rows', E or H_kv·D] with rows' = total_rows per batch: the first `rows` of each batch came
 // from input [B, rows, width]; a bias_k/bias_v row follows (add_bias_kv), then the zero row.
 //   grad W += grad_yᵀ x,  grad b += colsum(grad_y),  grad x = grad_y W
+// (the products by gradient_product, in bf16 where `bf16` is given).
 template <class T>
 void backward_projection(LayerParameters<T>& parameters, const Matrix<T>& grad_y,
                          const Tensor<T>& input, int which, Index batch, Index rows,
-                         Index total_rows, Tensor<T>& grad_input) {
+                         Index total_rows, Tensor<T>& grad_input, Bf16ProductScratch* bf16) {
   ParameterSet<T>& grads = parameters.grads();
   const MultiHeadAttentionConfig& config = parameters.config();
   auto grad_weight = parameters.projection(grads, which);
@@ -249,23 +263,23 @@ void backward_projection(LayerParameters<T>& parameters, const Matrix<T>& grad_y
                              parameters.projection_width(which)) += grad_rows.colwise().sum();
   };
   if (total_rows == rows) {  // no extra rows: one GEMM over every batch
-    matrix_product<T>(strided(grad_weight), const_strided(grad_y), Operand::transposed,
-                      const_strided(input.matrix()), Accumulate::yes);
+    gradient_product<T>(strided(grad_weight), const_strided(grad_y), Operand::transposed,
+                        const_strided(input.matrix()), Accumulate::yes, bf16);
     accumulate_bias(grad_y);
-    matrix_product<T>(strided(grad_input.matrix()), const_strided(grad_y), Operand::as_stored,
-                      const_strided(weight), Accumulate::no);
+    gradient_product<T>(strided(grad_input.matrix()), const_strided(grad_y), Operand::as_stored,
+                        const_strided(weight), Accumulate::no, bf16);
     return;
   }
   Tensor<T>& grad_extra = which == 1 ? grads.bias_k : grads.bias_v;
   for (Index b = 0; b < batch; ++b) {
     const auto grad_rows = grad_y.middleRows(b * total_rows, rows);
     const Eigen::Map<const Matrix<T>> input_rows(input.data() + b * rows * width, rows, width);
-    matrix_product<T>(strided(grad_weight), const_strided(grad_rows), Operand::transposed,
-                      const_strided(input_rows), Accumulate::yes);
+    gradient_product<T>(strided(grad_weight), const_strided(grad_rows), Operand::transposed,
+                        const_strided(input_rows), Accumulate::yes, bf16);
     accumulate_bias(grad_rows);
-    matrix_product<T>(
+    gradient_product<T>(
         strided(Eigen::Map<Matrix<T>>(grad_input.data() + b * rows * width, rows, width)),
-        const_strided(grad_rows), Operand::as_stored, const_strided(weight), Accumulate::no);
+        const_strided(grad_rows), Operand::as_stored, const_strided(weight), Accumulate::no, bf16);
     // The zero row is a constant: its gradient goes nowhere.
     if (config.add_bias_kv && which > 0) {
       grad_extra.flat() += grad_y.row(b * total_rows + rows).transpose();

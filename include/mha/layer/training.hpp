@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -47,6 +48,8 @@ struct SavedState {
   Workspace<T> workspace;       // projections and the heads' outputs, from the forward
   Tensor<T> logsumexp;          // (B, H, L), flash kernel only
   Matrix<T> grad_attended, grad_qkv, grad_q, grad_k, grad_v;
+  bool bf16_backward = false;    // the backward's projection products in bf16 (Precision::bf16)
+  Bf16ProductScratch bf16_products;
 };
 
 }  // namespace detail
@@ -76,14 +79,20 @@ void forward_train(LayerParameters<T>& parameters, const void* layer, Random& dr
                    SavedState<T>& saved, ForwardResult<T>& result) {
   const MultiHeadAttentionConfig& config = parameters.config();
   saved.layer = nullptr;  // unusable until this call succeeds
-  if (options.precision != Precision::fp32) {
-    throw_argument("precision", std::string("forward_train computes in fp32; got ") +
+  const bool bf16 = options.precision == Precision::bf16;
+  if (options.precision == Precision::int8 || (bf16 && !std::is_same_v<T, float>)) {
+    throw_argument("precision", std::string("forward_train computes in fp32, or in bf16 on a "
+                                            "float layer; got ") +
                                     precision_name(options.precision) +
-                                    " (bf16 arithmetic is for forward)");
+                                    (bf16 ? " on a double layer" : ""));
   }
   const ForwardPlan plan = plan_forward(parameters, query, key, value, options);
   saved.options = options;  // the masks too: core's layouts point into this copy
   CoreOptions<T> core = core_options(parameters, plan, saved.options);
+  // Mixed precision: the projections in bf16 (the forward's by run_forward, the backward's by
+  // gradient_product), the attention core, whose backward recomputes the forward's
+  // probabilities from the saved projections and log-sum-exp, in fp32.
+  core.bf16_products = false;
   if (config.dropout > 0) {
     core.dropout = {config.dropout, dropout_random.next_u64(), config.num_heads, plan.query_len,
                     plan.total_keys};
@@ -107,6 +116,7 @@ void forward_train(LayerParameters<T>& parameters, const void* layer, Random& dr
               plan.kernel == Kernel::flash ? saved.logsumexp.data() : nullptr, nullptr);
   parameters.ensure_gradients();
   saved.plan = plan;
+  saved.bf16_backward = bf16 && bf16_dot_available();
   saved.dropout = core.dropout;
   saved.layer = layer;
 }
@@ -129,7 +139,9 @@ void backward(LayerParameters<T>& parameters, const void* layer, SavedState<T>& 
   const ForwardPlan& plan = saved.plan;
   check_shape("grad_output", plan.query_shape, grad_output.shape());
   CoreOptions<T> core = core_options(parameters, plan, saved.options);
+  core.bf16_products = false;  // as forward_train's
   core.dropout = saved.dropout;
+  Bf16ProductScratch* const bf16 = saved.bf16_backward ? &saved.bf16_products : nullptr;
   const Index heads = config.num_heads, head_dim = config.head_dim;
   const Index rows = plan.batch * plan.query_len;
   const Index inner = parameters.inner_dim(), kv_width = parameters.kv_dim();
@@ -138,16 +150,16 @@ void backward(LayerParameters<T>& parameters, const void* layer, SavedState<T>& 
   // output = attended W_oᵀ + b_o
   const std::vector<T>& gate = saved.options.head_gate;
   const auto grad_out = grad_output.matrix();
-  matrix_product<T>(
+  gradient_product<T>(
       strided(grads.out_proj_weight.matrix()), const_strided(grad_out), Operand::transposed,
-      const_strided(gate.empty() ? forward.attended : forward.gated), Accumulate::yes);
+      const_strided(gate.empty() ? forward.attended : forward.gated), Accumulate::yes, bf16);
   // Column sums of no rows (B or L = 0) are skipped: Eigen's reduction of an empty matrix
   // offsets its null data pointer, which is undefined.
   if (config.bias && rows > 0) grads.out_proj_bias.flat() += grad_out.colwise().sum().transpose();
   Matrix<T>& grad_attended = saved.grad_attended;
   grad_attended.resize(rows, inner);
-  matrix_product<T>(strided(grad_attended), const_strided(grad_out), Operand::as_stored,
-                    const_strided(values.out_proj_weight.matrix()), Accumulate::no);
+  gradient_product<T>(strided(grad_attended), const_strided(grad_out), Operand::as_stored,
+                      const_strided(values.out_proj_weight.matrix()), Accumulate::no, bf16);
   // gated_h = gate_h attended_h: the gate's gradient is sum(grad_gated_h ∘ attended_h), and the
   // heads' own gradient is gate_h grad_gated_h.
   Tensor<T> grad_gate;
@@ -220,25 +232,25 @@ void backward(LayerParameters<T>& parameters, const void* layer, SavedState<T>& 
     // No rows (B or L = 0): nothing to add, and the column blocks below would offset null data.
     if (rows == 0) return;
     const auto input = saved.query.matrix();
-    matrix_product<T>(strided(grads.in_proj_weight.matrix()), const_strided(saved.grad_qkv),
-                      Operand::transposed, const_strided(input), Accumulate::yes);
+    gradient_product<T>(strided(grads.in_proj_weight.matrix()), const_strided(saved.grad_qkv),
+                        Operand::transposed, const_strided(input), Accumulate::yes, bf16);
     if (config.bias) grads.in_proj_bias.flat() += saved.grad_qkv.colwise().sum().transpose();
     Tensor<T>* inputs[] = {&input_grads.query, &input_grads.key, &input_grads.value};
     for (int which = 0; which < 3; ++which) {
-      matrix_product<T>(strided(inputs[which]->matrix()),
-                        const_strided(saved.grad_qkv.middleCols(
-                            parameters.bias_offset(which), parameters.projection_width(which))),
-                        Operand::as_stored, const_strided(parameters.weight_rows(which)),
-                        Accumulate::no);
+      gradient_product<T>(strided(inputs[which]->matrix()),
+                          const_strided(saved.grad_qkv.middleCols(
+                              parameters.bias_offset(which), parameters.projection_width(which))),
+                          Operand::as_stored, const_strided(parameters.weight_rows(which)),
+                          Accumulate::no, bf16);
     }
     return;
   }
   backward_projection(parameters, saved.grad_q, saved.query, 0, plan.batch, query_len, query_len,
-                      input_grads.query);
+                      input_grads.query, bf16);
   backward_projection(parameters, saved.grad_k, saved.key, 1, plan.batch, plan.key_len, total_keys,
-                      input_grads.key);
+                      input_grads.key, bf16);
   backward_projection(parameters, saved.grad_v, saved.value, 2, plan.batch, plan.key_len,
-                      total_keys, input_grads.value);
+                      total_keys, input_grads.value, bf16);
 }
 
 // The instantiations mha::compiled holds (src/layer_training.cpp; see mha/compiled.hpp).
