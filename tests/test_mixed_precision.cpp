@@ -140,16 +140,27 @@ TEST_CASE("a bf16 training step's output and gradients stay within 1e-2 of float
           "[mixed][precision]") {
   const bool available = mha::detail::bf16_dot_available();
   if (!available) WARN("this CPU lacks AVX512_BF16: Precision::bf16 trains in fp32 here");
+  using mha::detail::FlashPath;
   struct Case {
     const char* name;
     Index embed_dim, heads, batch, query_len, key_len;
     bool causal, cross;
+    FlashPath path;  // of the flash kernel, which the training forward runs (need_weights off)
   };
-  const Case cases[] = {{"self-attention, causal", 64, 4, 2, 37, 37, true, true},
-                        {"self-attention", 96, 3, 1, 70, 70, false, false},
-                        {"cross-attention", 64, 2, 3, 9, 21, false, true}};
+  // The bf16 panels (whose operands the backward reads rounded), the small-head kernel and the
+  // tiles, both fp32.
+  const Case cases[] = {
+      {"self-attention, causal", 64, 4, 2, 37, 37, true, false, FlashPath::small_head},
+      {"self-attention", 96, 3, 1, 70, 70, false, false, FlashPath::bf16_panels},
+      {"cross-attention", 64, 2, 2, 40, 50, false, true, FlashPath::bf16_panels},
+      {"cross-attention, few queries", 64, 2, 3, 9, 21, false, true, FlashPath::tiles}};
   for (const Case& c : cases) {
     INFO(c.name);
+    mha::detail::CoreOptions<float> core;
+    core.bf16_products = available;
+    const Index head_dim = c.embed_dim / c.heads;
+    const FlashPath path = mha::detail::flash_path<float>(head_dim, head_dim, c.query_len, core, {});
+    if (available) CHECK(path == c.path);
     MultiHeadAttentionConfig config(c.embed_dim, c.heads);
     config.bias = true;
     MultiHeadAttention<double> wide(config);

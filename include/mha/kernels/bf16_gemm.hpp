@@ -135,6 +135,21 @@ __attribute__((target("avx512f,avx512bf16"))) inline void round_row_bf16_avx512(
     _mm512_mask_storeu_epi32(out + c / 2, lanes_inside(bf16_pairs(cols), c / 2), pairs);
   }
 }
+
+// round_to_bf16_in_place, 16 floats at a time: rounded to bf16 and widened back.
+__attribute__((target("avx512f,avx512bf16"))) inline void round_to_bf16_in_place_avx512(
+    float* m, Index rows, Index cols, Index stride) {
+  for (Index i = 0; i < rows; ++i) {
+    float* row = m + i * stride;
+    for (Index c = 0; c < cols; c += 16) {
+      const __mmask16 inside = lanes_inside(cols, c);
+      const auto bits = reinterpret_cast<__m256i>(
+          _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(inside, row + c)));
+      _mm512_mask_storeu_ps(row + c, inside,
+                            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
+    }
+  }
+}
 #endif
 
 // A [rows, cols] (rows x_stride floats apart) as rows of pairs (see the top), row i at out + i ·
@@ -154,6 +169,19 @@ inline void round_rows_bf16(const float* x, Index rows, Index cols, Index x_stri
     for (Index p = 0; p < bf16_pairs(cols); ++p) {
       out[i * out_stride + p] = bf16_pair(row[2 * p], 2 * p + 1 < cols ? row[2 * p + 1] : 0.0F);
     }
+  }
+}
+
+// m [rows, cols] (rows `stride` floats apart) replaced by the bf16 values the products read (as
+// round_rows_bf16 rounds, denormals flushed where bf16_dot_available()): a training forward's
+// operands kept for its backward, which then differentiates the products the forward computed.
+inline void round_to_bf16_in_place(float* m, Index rows, Index cols, Index stride) {
+#ifdef MHA_PACKED_GEMM_X86
+  if (bf16_dot_available()) return round_to_bf16_in_place_avx512(m, rows, cols, stride);
+#endif
+  for (Index i = 0; i < rows; ++i) {
+    for (float& x : Eigen::Map<RowVector<float>>(m + i * stride, cols))
+      x = from_bf16_bits(to_bf16_bits(x));
   }
 }
 

@@ -89,10 +89,6 @@ void forward_train(LayerParameters<T>& parameters, const void* layer, Random& dr
   const ForwardPlan plan = plan_forward(parameters, query, key, value, options);
   saved.options = options;  // the masks too: core's layouts point into this copy
   CoreOptions<T> core = core_options(parameters, plan, saved.options);
-  // Mixed precision: the projections in bf16 (the forward's by run_forward, the backward's by
-  // gradient_product), the attention core, whose backward recomputes the forward's
-  // probabilities from the saved projections and log-sum-exp, in fp32.
-  core.bf16_products = false;
   if (config.dropout > 0) {
     core.dropout = {config.dropout, dropout_random.next_u64(), config.num_heads, plan.query_len,
                     plan.total_keys};
@@ -114,6 +110,28 @@ void forward_train(LayerParameters<T>& parameters, const void* layer, Random& dr
   run_forward(parameters, plan, core, saved_query, plan.fused ? saved_query : saved.key.view(),
               plan.fused ? saved_query : saved.value.view(), saved.options, saved.workspace, result,
               plan.kernel == Kernel::flash ? saved.logsumexp.data() : nullptr, nullptr);
+  // Mixed precision: the projections' products in bf16 (the forward's by run_forward, the
+  // backward's by gradient_product); the flash kernel's products too where its bf16 panels ran.
+  // Their backward is fp32 and recomputes the probabilities from q, k and the log-sum-exp: it
+  // reads the bf16 values the forward's products read, so that it recomputes the forward's
+  // scores (to fp32's rounding) and differentiates the products the forward computed.
+  const Index head_dim = parameters.head_dim();
+  if (plan.kernel == Kernel::flash &&
+      flash_path<T>(head_dim, head_dim, plan.query_len, core, {}) == FlashPath::bf16_panels) {
+    if constexpr (std::is_same_v<T, float>) {
+      const auto round = [](Matrix<T>& m) {
+        round_to_bf16_in_place(m.data(), m.rows(), m.cols(), m.cols());
+      };
+      Workspace<T>& kept = saved.workspace;
+      if (plan.fused) {
+        round(kept.qkv);
+      } else {
+        round(kept.q);
+        round(kept.k);
+        round(kept.v);
+      }
+    }
+  }
   parameters.ensure_gradients();
   saved.plan = plan;
   saved.bf16_backward = bf16 && bf16_dot_available();
