@@ -8,7 +8,9 @@
 //     with weights, within the tolerance of kernels_agree below;
 //   - a call refused with weights is refused without them, and the flash kernel refuses what
 //     the reference kernel refuses;
-//   - with Precision::bf16, a call runs wherever fp32 ran, with a finite output;
+//   - with Precision::bf16, a call runs wherever fp32 ran, with a finite output; and for a float
+//     layer a training step (forward_train and backward, the flash kernel) runs in bf16 wherever
+//     it ran in fp32, with a finite output and finite gradients;
 //   - decoding the query as a prompt through a quantized KV cache (q8 or q4) runs wherever
 //     decoding it through a cache of the layer's type runs (unless the format itself is refused:
 //     H_kv·D not whole blocks of 32), with a finite output.
@@ -295,6 +297,29 @@ std::optional<mha::ForwardResult<T>> try_forward(const mha::MultiHeadAttention<T
   }
 }
 
+// One training step of the flash kernel (forward_train, then backward of a random grad_output)
+// on a copy of the layer: the output and every gradient, or nothing when the library refuses.
+std::optional<std::vector<Tensor<float>>> try_training_step(
+    const mha::MultiHeadAttention<float>& layer, const Tensor<float>& query,
+    const Tensor<float>& key, const Tensor<float>& value, const mha::ForwardOptions<float>& options,
+    const Tensor<float>& grad_output) {
+  mha::MultiHeadAttention<float> trained = layer;
+  mha::SavedForward<float> saved;
+  try {
+    std::vector<Tensor<float>> results;
+    results.push_back(trained.forward_train(query.view(), key.view(), value.view(), options, saved)
+                          .output);
+    const auto grads = trained.backward(saved, grad_output.view());
+    for (const Tensor<float>* grad : {&grads.query, &grads.key, &grads.value, &grads.head_gate})
+      results.push_back(*grad);
+    for (const std::string& name : trained.parameter_names())
+      results.emplace_back(trained.gradient(name));
+    return results;
+  } catch (const mha::ShapeError&) {
+    return std::nullopt;
+  }
+}
+
 mha_fuzz::Tally tally("fuzz_forward",
                       {"layer refused (ShapeError)", "call refused by every kernel (ShapeError)",
                        "ran and compared", "ran and compared, and ran in bf16",
@@ -403,6 +428,20 @@ void run_case(const Case& c, Choices& choices) {
   const auto bf16 = try_forward(layer, query, key_input, value_input, options);
   if (!bf16) violation("Precision::bf16 refused a call that fp32 ran");
   check_finite(bf16->output, "bf16 output");
+  if constexpr (std::is_same_v<T, float>) {
+    const Tensor<float> grad_output = random_input<float>(query.shape(), random);
+    mha::ForwardOptions<float> train_options = options;
+    train_options.precision = mha::Precision::fp32;
+    const auto fp32_step =
+        try_training_step(layer, query, key_input, value_input, train_options, grad_output);
+    train_options.precision = mha::Precision::bf16;
+    const auto bf16_step =
+        try_training_step(layer, query, key_input, value_input, train_options, grad_output);
+    if (fp32_step && !bf16_step) violation("bf16 training refused a step that fp32 ran");
+    if (bf16_step) {
+      for (const Tensor<float>& result : *bf16_step) check_finite(result, "bf16 training step");
+    }
+  }
   // A quantized cache, decided by a byte after bf16's (and its format by the next).
   if (!choices.flag()) {
     tally.count(3);
