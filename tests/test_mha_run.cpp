@@ -103,11 +103,13 @@ TEST_CASE("mha_run reproduces PyTorch on a fixture, end to end", "[mha_run]") {
 
 namespace {
 
-// A fixture of torch's run by mha_run with `metadata` added to its own: the output's largest
-// difference from torch's, over torch's largest magnitude.
-double error_with_metadata(const std::map<std::string, std::string>& metadata) {
+// A fixture of torch's run by mha_run with `metadata` added to its own: the largest difference
+// of `result` (the output, or a gradient) from torch's, over torch's largest magnitude.
+double error_with_metadata(const std::map<std::string, std::string>& metadata,
+                           const std::string& name =
+                               "gqa_f32_kv2_kdim_vdim_bias_kv_zero_attn_per_head",
+                           const std::string& result = "output") {
   const fs::path dir = scratch_dir();
-  const std::string name = "gqa_f32_kv2_kdim_vdim_bias_kv_zero_attn_per_head";
   auto in = mha::io::read_safetensors(fixture(name + ".in.safetensors"));
   for (const auto& [key, value] : metadata) in.metadata[key] = value;
   mha::io::write_safetensors((dir / "reduced.safetensors").string(), in);
@@ -116,8 +118,8 @@ double error_with_metadata(const std::map<std::string, std::string>& metadata) {
   REQUIRE(run.exit_code == 0);
   const auto actual = mha::io::read_safetensors((dir / "out.safetensors").string());
   const auto expected = mha::io::read_safetensors(fixture(name + ".expected.safetensors"));
-  const auto output = mha::io::to_tensor<float>(actual.at("output"), "output");
-  const auto torch = mha::io::to_tensor<float>(expected.at("output"), "output");
+  const auto output = mha::io::to_tensor<float>(actual.at(result), result);
+  const auto torch = mha::io::to_tensor<float>(expected.at(result), result);
   REQUIRE(output.shape() == torch.shape());
   return (output.flat() - torch.flat()).cwiseAbs().maxCoeff() / torch.flat().cwiseAbs().maxCoeff();
 }
@@ -139,6 +141,22 @@ TEST_CASE("mha_run computes in reduced precision as its metadata asks", "[mha_ru
   INFO("int8 x int8: " << int8);
   CHECK(int8 <= 2e-2);
   CHECK(int8 > 1e-4);
+}
+
+TEST_CASE("mha_run trains in mixed precision as its metadata asks", "[mha_run]") {
+  // A fixture with grad_output: the output and the gradients within test_mixed_precision.cpp's
+  // bound of torch's fp32 ones (1e-2 of their largest magnitude), and not torch's bits. fp16's
+  // operands keep 11 significant bits (bf16's 8), its errors about 8 times smaller.
+  const std::string name = "gqa_grad_f32_kv2_kdim_vdim_bias_kv_zero_attn_flash";
+  for (const std::string precision : {"bf16", "fp16"}) {
+    for (const std::string result : {"output", "grad.query", "grad.key", "grad.value",
+                                     "grad.in_proj_bias", "grad.out_proj.weight"}) {
+      const double error = error_with_metadata({{"precision", precision}}, name, result);
+      INFO(precision << " " << result << ": " << error << " of the largest");
+      CHECK(error <= 1e-2);
+      if (precision == "fp16" || mha::bf16_arithmetic_available()) CHECK(error > 1e-5);
+    }
+  }
 }
 
 namespace {
@@ -437,10 +455,14 @@ TEST_CASE("mha_run refuses bad input with exit code 1 and one line", "[mha_run][
   file.tensors["grad_output"] = file.tensors.at("query");
   refused_with(file, "metadata 'weights': int8 weights are for inference");
   file = original;
-  file.metadata["precision"] = "fp16";
-  refused_with(file, "metadata 'precision': expected \"fp32\", \"bf16\" or \"int8\", got \"fp16\"");
+  file.metadata["precision"] = "fp8";
+  refused_with(file,
+               "metadata 'precision': expected \"fp32\", \"bf16\", \"int8\" or \"fp16\", got \"fp8\"");
   file = original;
-  file.metadata["precision"] = "bf16";
+  file.metadata["precision"] = "fp16";  // without grad_output: inference
+  refused_with(file, "fp16 products are for mixed-precision training");
+  file = original;
+  file.metadata["precision"] = "int8";
   file.tensors["grad_output"] = file.tensors.at("query");
   refused_with(file, "precision");
   file = original;

@@ -48,11 +48,14 @@ IN holds:
     top-left causal mask, key j > query i blocked, is applied on top of any attn_mask);
     kernel: auto (default: flash without weights, reference with), reference or flash
     (flash cannot return weights, so it needs need_weights "0");
-    precision: fp32 (default), bf16 or int8: bf16 runs the projections and the flash kernel's
-    products with operands rounded to bf16 and fp32 sums, softmax in fp32 (within about 1e-2 of
-    the largest output; fp32 where the CPU lacks AVX512_BF16); int8 (with weights int8) the
+    precision: fp32 (default), bf16, int8 or fp16: bf16 runs the projections and the flash
+    kernel's products with operands rounded to bf16 and fp32 sums, softmax in fp32 (within about
+    1e-2 of the largest output; fp32 where the CPU lacks AVX512_BF16), with grad_output the
+    backward's projection products too (mixed-precision training); int8 (with weights int8) the
     projections as int8 x int8 products, the inputs' rows quantized per row (fp32 on the
-    quantized weights where the CPU lacks AVX512_VNNI); without grad_output only;
+    quantized weights where the CPU lacks AVX512_VNNI), without grad_output only; fp16 (with
+    grad_output only: training) the projections' products, forward and backward, on operands
+    rounded to fp16 with fp32 sums, the attention in fp32;
     weights: as_given (default) or int8: the projection weights quantized to int8, one scale per
     output row (FrozenWeights::int8: the layer runs on the quantized weights; F32 files without
     grad_output only).

@@ -45,8 +45,10 @@ Precision precision(const io::SafetensorsFile& file) {
   if (it == file.metadata.end() || it->second == "fp32") return Precision::fp32;
   if (it->second == "bf16") return Precision::bf16;
   if (it->second == "int8") return Precision::int8;
-  throw ShapeError("metadata 'precision': expected \"fp32\", \"bf16\" or \"int8\", got \"" +
-                   it->second + "\"");
+  if (it->second == "fp16") return Precision::fp16;
+  throw ShapeError(
+      "metadata 'precision': expected \"fp32\", \"bf16\", \"int8\" or \"fp16\", got \"" +
+      it->second + "\"");
 }
 
 // weights: as_given (default) or int8 (a FrozenMultiHeadAttention with FrozenWeights::int8).

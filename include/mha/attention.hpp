@@ -51,9 +51,14 @@ inline const char* kernel_name(Kernel kernel) {
 //                    FrozenMultiHeadAttention made with FrozenWeights::int8 (others refuse it);
 //                    the attention in fp32. Where the CPU lacks the instruction, the projections
 //                    run on the quantized weights in fp32.
+//   Precision::fp16  for mixed-precision training only (forward_train of a float layer): the
+//                    projections' products, forward and backward, on operands rounded to fp16
+//                    with fp32 sums, emulated (kernels/fp16_products.hpp: fp16's range, which
+//                    needs loss scaling, mha/loss_scaling.hpp, at fp32's speed); the attention in
+//                    fp32. Inference refuses it.
 // bf16 keeps 8 significant bits: outputs within about 1e-2 of the largest output (tested against
 // float64), as PyTorch's bf16 autocast on CPU; int8 within 2e-2.
-enum class Precision { fp32, bf16, int8 };
+enum class Precision { fp32, bf16, int8, fp16 };
 
 inline const char* precision_name(Precision precision) {
   switch (precision) {
@@ -61,6 +66,8 @@ inline const char* precision_name(Precision precision) {
       return "bf16";
     case Precision::int8:
       return "int8";
+    case Precision::fp16:
+      return "fp16";
     default:
       return "fp32";
   }
@@ -82,6 +89,16 @@ void check_precision(Precision precision) {
     throw_argument("precision", std::string("reduced precision is for float computations; this "
                                             "one is in double, got ") +
                                     precision_name(precision));
+  }
+}
+
+// Precision::fp16 is for mixed-precision training: inference refuses it rather than compute in
+// fp32 what was asked in fp16.
+inline void check_inference_precision(Precision precision) {
+  if (precision == Precision::fp16) {
+    throw_argument("precision",
+                   "fp16 products are for mixed-precision training (forward_train of a float "
+                   "layer); inference computes in fp32, bf16 or int8");
   }
 }
 
@@ -369,6 +386,7 @@ AttentionProblem<T> attention_problem(const TensorView<const T>& query,
                    "int8 products are for the projections of a layer with int8 "
                    "weights; attention alone computes in fp32 or bf16");
   }
+  check_inference_precision(options.precision);
   CoreOptions<T>& core = problem.core;
   core.scale = options.scale ? *options.scale : T(1) / std::sqrt(static_cast<T>(problem.head_dim));
   if (!std::isfinite(core.scale)) {

@@ -86,11 +86,12 @@ void check_input_values(const TensorView<const T>& query, const TensorView<const
   }
 }
 
-// Checks the inputs and options of a forward call, before anything is computed.
+// Checks the inputs and options of a forward call (forward_train's where `training`), before
+// anything is computed.
 template <class T>
 ForwardPlan plan_forward(const LayerParameters<T>& parameters, const TensorView<const T>& query,
                          const TensorView<const T>& key, const TensorView<const T>& value,
-                         const ForwardOptions<T>& options) {
+                         const ForwardOptions<T>& options, bool training = false) {
   const MultiHeadAttentionConfig& config = parameters.config();
   const Index embed = config.embed_dim;
   ForwardPlan plan;
@@ -119,6 +120,7 @@ ForwardPlan plan_forward(const LayerParameters<T>& parameters, const TensorView<
   check_head_gate(options.head_gate, config.num_heads);
   check_window(options.window);
   check_precision<compute_t<T>>(options.precision);
+  if (!training) check_inference_precision(options.precision);
   // Self-attention without extra key rows projects q, k and v in one [B*L, E] x [E, 3E] GEMM.
   plan.fused = parameters.packed_projection() && !config.add_bias_kv && !config.add_zero_attn &&
                query.data() == key.data() && key.data() == value.data() &&
@@ -248,9 +250,14 @@ void run_forward(const LayerParameters<T>& parameters, const ForwardPlan& plan,
   // FrozenWeights::int8, for a product of a few rows).
   const ProjectionArithmetic arithmetic = projection_arithmetic(options.precision, packed);
   const bool bf16 = arithmetic == ProjectionArithmetic::bf16;
+  Fp16Scratch* const fp16 = arithmetic == ProjectionArithmetic::fp16 ? &workspace.fp16 : nullptr;
   workspace.bf16.forget();
+  workspace.fp16.forget();
   const auto route = [&](int which) {
-    return projection_route(packed, arithmetic, workspace.bf16, workspace.int8, which);
+    ProjectionRoute chosen =
+        projection_route(packed, arithmetic, workspace.bf16, workspace.int8, which);
+    chosen.fp16 = fp16;
+    return chosen;
   };
   if (plan.fused) {
     // [B*L, H·D + 2·H_kv·D]: heads read q, k and v at their column offsets.
@@ -275,7 +282,7 @@ void run_forward(const LayerParameters<T>& parameters, const ForwardPlan& plan,
     } else {
       // One product: W_q, W_k and W_v are in_proj_weight's row blocks.
       project_rows<Compute>(strided(qkv), input, values.in_proj_weight.matrix(),
-                            ProjectionRoute{nullptr, bf16 ? &workspace.bf16 : nullptr, nullptr},
+                            ProjectionRoute{nullptr, bf16 ? &workspace.bf16 : nullptr, fp16},
                             workspace.kernel);
     }
     if (parameters.config().bias) {
@@ -367,7 +374,7 @@ void run_forward(const LayerParameters<T>& parameters, const ForwardPlan& plan,
 #define MHA_LAYER_FORWARD_TEMPLATES(PREFIX, T)                                            \
   PREFIX template ForwardPlan plan_forward<T>(                                            \
       const LayerParameters<T>&, const TensorView<const T>&, const TensorView<const T>&,  \
-      const TensorView<const T>&, const ForwardOptions<T>&);                              \
+      const TensorView<const T>&, const ForwardOptions<T>&, bool);                        \
   PREFIX template CoreOptions<compute_t<T>> core_options<T>(                              \
       const LayerParameters<T>&, const ForwardPlan&, const ForwardOptions<T>&);           \
   PREFIX template void run_forward<T>(                                                    \

@@ -9,6 +9,7 @@
 #include "mha/attention.hpp"
 #include "mha/kernels/bf16_projection.hpp"
 #include "mha/kernels/common.hpp"
+#include "mha/kernels/fp16_products.hpp"
 #include "mha/kernels/int8_gemm.hpp"
 #include "mha/mask.hpp"
 #include "mha/rotary.hpp"
@@ -97,9 +98,10 @@ struct Workspace {
   detail::RopeTable<Compute> rope_queries, rope_keys;
   std::vector<detail::KernelScratch<Compute>> kernel;  // one per thread
   // Precision::bf16: a weight packed for this call, and the rows being projected; int8: the rows
-  // quantized.
+  // quantized; fp16: a weight and rows rounded.
   detail::Bf16Scratch bf16;
   detail::Int8Scratch int8;
+  detail::Fp16Scratch fp16;
 };
 
 }  // namespace mha

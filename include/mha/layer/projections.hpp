@@ -17,6 +17,7 @@
 #include "mha/kernels/bf16_matrix_product.hpp"
 #include "mha/kernels/bf16_projection.hpp"
 #include "mha/kernels/convert.hpp"
+#include "mha/kernels/fp16_products.hpp"
 #include "mha/kernels/gemm.hpp"
 #include "mha/kernels/int8_weights.hpp"
 #include "mha/kernels/prepacked_gemm.hpp"
@@ -96,13 +97,18 @@ struct PackedProjections {
 
 // The arithmetic one call's projections run in, after what the CPU offers: fp32; bf16
 // (Precision::bf16 with AVX512_BF16); int8 (Precision::int8 on a frozen layer's int8 panels,
-// with AVX512_VNNI; without it the layer's quantized weights in fp32).
-enum class ProjectionArithmetic { fp32, bf16, int8 };
+// with AVX512_VNNI; without it the layer's quantized weights in fp32); fp16 (Precision::fp16, a
+// float layer's forward_train: operands rounded to fp16, kernels/fp16_products.hpp).
+enum class ProjectionArithmetic { fp32, bf16, int8, fp16 };
 
 // The arithmetic of a call with `precision` on `packed` (null: a layer's own weights). Refuses
-// Precision::int8 where there are no int8 weights.
+// Precision::int8 where there are no int8 weights, and fp16 on a frozen layer's (inference).
 inline ProjectionArithmetic projection_arithmetic(Precision precision,
                                                   const PackedProjections* packed) {
+  if (precision == Precision::fp16) {
+    if (packed != nullptr) check_inference_precision(precision);
+    return ProjectionArithmetic::fp16;
+  }
   if (precision == Precision::int8) {
     if (packed == nullptr || packed->int8_output.empty()) {
       throw_argument("precision",
@@ -118,10 +124,12 @@ inline ProjectionArithmetic projection_arithmetic(Precision precision,
 // How one call's projections multiply: in fp32 by W or its packed panels (`packed`, a frozen
 // float layer's), or by its int8 values for a few rows (`int8`, FrozenWeights::int8); with `bf16`
 // set, in bf16 by W's bf16 panels: a frozen layer's (`bf16_packed`), else packed at the call into
-// *bf16; with `int8_panels` set, int8 × int8 (rows of a few: the int8 values, as `int8`).
+// *bf16; with `int8_panels` set, int8 × int8 (rows of a few: the int8 values, as `int8`); with
+// `fp16` set, on operands rounded to fp16 into *fp16.
 struct ProjectionRoute {
   const PackedWeight* packed = nullptr;
   Bf16Scratch* bf16 = nullptr;
+  Fp16Scratch* fp16 = nullptr;
   const Bf16PackedWeight* bf16_packed = nullptr;
   const Int8Weight* int8 = nullptr;
   const Int8PackedWeight* int8_panels = nullptr;
@@ -171,6 +179,7 @@ void project_rows(StridedMap<Compute> dst, ConstStridedMap<Compute> lhs,
     }
   }
   if constexpr (std::is_same_v<Compute, float> && std::is_same_v<Stored, float>) {
+    if (route.fp16 != nullptr) return route.fp16->project(dst, lhs, weight, scratch);
     if (route.int8 != nullptr && few_rows_product(dst.rows(), dst.cols())) {
       int8_product(lhs.data(), lhs.rows(), lhs.outerStride(), *route.int8, dst.data(),
                    dst.outerStride());
@@ -232,13 +241,26 @@ void project_keys(const LayerParameters<T>& parameters,
   }
 }
 
-// A backward's product dst = (or +=) op(lhs) rhs: in bf16 with fp32 sums where `bf16` is given
-// (a float layer's backward after a bf16 forward_train), else in the layer's type.
+// The arithmetic of a float layer's backward products after a mixed-precision forward_train:
+// bf16 (where the CPU has it) or fp16 on rounded operands, each with its scratch; fp32 otherwise.
+struct ReducedProducts {
+  Precision precision = Precision::fp32;
+  Bf16ProductScratch bf16;
+  Fp16ProductScratch fp16;
+};
+
+// A backward's product dst = (or +=) op(lhs) rhs: in `reduced`'s arithmetic where it is given,
+// else in the layer's type.
 template <class T>
 void gradient_product(StridedMap<T> dst, ConstStridedMap<T> lhs, Operand lhs_op,
-                      ConstStridedMap<T> rhs, Accumulate accumulate, Bf16ProductScratch* bf16) {
+                      ConstStridedMap<T> rhs, Accumulate accumulate, ReducedProducts* reduced) {
   if constexpr (std::is_same_v<T, float>) {
-    if (bf16 != nullptr) return bf16_matrix_product(dst, lhs, lhs_op, rhs, accumulate, *bf16);
+    if (reduced != nullptr && reduced->precision == Precision::bf16) {
+      return bf16_matrix_product(dst, lhs, lhs_op, rhs, accumulate, reduced->bf16);
+    }
+    if (reduced != nullptr && reduced->precision == Precision::fp16) {
+      return fp16_matrix_product(dst, lhs, lhs_op, rhs, accumulate, reduced->fp16);
+    }
   }
   matrix_product<T>(dst, lhs, lhs_op, rhs, accumulate);
 }
@@ -247,11 +269,11 @@ void gradient_product(StridedMap<T> dst, ConstStridedMap<T> lhs, Operand lhs_op,
 // [B*rows', E or H_kv·D] with rows' = total_rows per batch: the first `rows` of each batch came
 // from input [B, rows, width]; a bias_k/bias_v row follows (add_bias_kv), then the zero row.
 //   grad W += grad_yᵀ x,  grad b += colsum(grad_y),  grad x = grad_y W
-// (the products by gradient_product, in bf16 where `bf16` is given).
+// (the products by gradient_product, in `reduced`'s arithmetic where it is given).
 template <class T>
 void backward_projection(LayerParameters<T>& parameters, const Matrix<T>& grad_y,
                          const Tensor<T>& input, int which, Index batch, Index rows,
-                         Index total_rows, Tensor<T>& grad_input, Bf16ProductScratch* bf16) {
+                         Index total_rows, Tensor<T>& grad_input, ReducedProducts* reduced) {
   ParameterSet<T>& grads = parameters.grads();
   const MultiHeadAttentionConfig& config = parameters.config();
   auto grad_weight = parameters.projection(grads, which);
@@ -264,10 +286,10 @@ void backward_projection(LayerParameters<T>& parameters, const Matrix<T>& grad_y
   };
   if (total_rows == rows) {  // no extra rows: one GEMM over every batch
     gradient_product<T>(strided(grad_weight), const_strided(grad_y), Operand::transposed,
-                        const_strided(input.matrix()), Accumulate::yes, bf16);
+                        const_strided(input.matrix()), Accumulate::yes, reduced);
     accumulate_bias(grad_y);
     gradient_product<T>(strided(grad_input.matrix()), const_strided(grad_y), Operand::as_stored,
-                        const_strided(weight), Accumulate::no, bf16);
+                        const_strided(weight), Accumulate::no, reduced);
     return;
   }
   Tensor<T>& grad_extra = which == 1 ? grads.bias_k : grads.bias_v;
@@ -275,11 +297,11 @@ void backward_projection(LayerParameters<T>& parameters, const Matrix<T>& grad_y
     const auto grad_rows = grad_y.middleRows(b * total_rows, rows);
     const Eigen::Map<const Matrix<T>> input_rows(input.data() + b * rows * width, rows, width);
     gradient_product<T>(strided(grad_weight), const_strided(grad_rows), Operand::transposed,
-                        const_strided(input_rows), Accumulate::yes, bf16);
+                        const_strided(input_rows), Accumulate::yes, reduced);
     accumulate_bias(grad_rows);
     gradient_product<T>(
         strided(Eigen::Map<Matrix<T>>(grad_input.data() + b * rows * width, rows, width)),
-        const_strided(grad_rows), Operand::as_stored, const_strided(weight), Accumulate::no, bf16);
+        const_strided(grad_rows), Operand::as_stored, const_strided(weight), Accumulate::no, reduced);
     // The zero row is a constant: its gradient goes nowhere.
     if (config.add_bias_kv && which > 0) {
       grad_extra.flat() += grad_y.row(b * total_rows + rows).transpose();

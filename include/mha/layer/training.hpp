@@ -48,8 +48,7 @@ struct SavedState {
   Workspace<T> workspace;       // projections and the heads' outputs, from the forward
   Tensor<T> logsumexp;          // (B, H, L), flash kernel only
   Matrix<T> grad_attended, grad_qkv, grad_q, grad_k, grad_v;
-  bool bf16_backward = false;    // the backward's projection products in bf16 (Precision::bf16)
-  Bf16ProductScratch bf16_products;
+  ReducedProducts products;  // the arithmetic of the backward's projection products
 };
 
 }  // namespace detail
@@ -80,13 +79,14 @@ void forward_train(LayerParameters<T>& parameters, const void* layer, Random& dr
   const MultiHeadAttentionConfig& config = parameters.config();
   saved.layer = nullptr;  // unusable until this call succeeds
   const bool bf16 = options.precision == Precision::bf16;
-  if (options.precision == Precision::int8 || (bf16 && !std::is_same_v<T, float>)) {
-    throw_argument("precision", std::string("forward_train computes in fp32, or in bf16 on a "
-                                            "float layer; got ") +
+  const bool fp16 = options.precision == Precision::fp16;
+  if (options.precision == Precision::int8 || ((bf16 || fp16) && !std::is_same_v<T, float>)) {
+    throw_argument("precision", std::string("forward_train computes in fp32, or in bf16 or fp16 "
+                                            "on a float layer; got ") +
                                     precision_name(options.precision) +
-                                    (bf16 ? " on a double layer" : ""));
+                                    (bf16 || fp16 ? " on a double layer" : ""));
   }
-  const ForwardPlan plan = plan_forward(parameters, query, key, value, options);
+  const ForwardPlan plan = plan_forward(parameters, query, key, value, options, true);
   saved.options = options;  // the masks too: core's layouts point into this copy
   CoreOptions<T> core = core_options(parameters, plan, saved.options);
   if (config.dropout > 0) {
@@ -110,8 +110,9 @@ void forward_train(LayerParameters<T>& parameters, const void* layer, Random& dr
   run_forward(parameters, plan, core, saved_query, plan.fused ? saved_query : saved.key.view(),
               plan.fused ? saved_query : saved.value.view(), saved.options, saved.workspace, result,
               plan.kernel == Kernel::flash ? saved.logsumexp.data() : nullptr, nullptr);
-  // Mixed precision: the projections' products in bf16 (the forward's by run_forward, the
-  // backward's by gradient_product); the flash kernel's products too where its bf16 panels ran.
+  // Mixed precision: the projections' products in bf16 or fp16 (the forward's by run_forward,
+  // the backward's by gradient_product); in bf16, the flash kernel's products too where its bf16
+  // panels ran.
   // Their backward is fp32 and recomputes the probabilities from q, k and the log-sum-exp: it
   // reads the bf16 values the forward's products read, so that it recomputes the forward's
   // scores (to fp32's rounding) and differentiates the products the forward computed.
@@ -134,7 +135,9 @@ void forward_train(LayerParameters<T>& parameters, const void* layer, Random& dr
   }
   parameters.ensure_gradients();
   saved.plan = plan;
-  saved.bf16_backward = bf16 && bf16_dot_available();
+  saved.products.precision = bf16 && bf16_dot_available() ? Precision::bf16
+                             : fp16                         ? Precision::fp16
+                                                            : Precision::fp32;
   saved.dropout = core.dropout;
   saved.layer = layer;
 }
@@ -159,7 +162,7 @@ void backward(LayerParameters<T>& parameters, const void* layer, SavedState<T>& 
   CoreOptions<T> core = core_options(parameters, plan, saved.options);
   core.bf16_products = false;  // as forward_train's
   core.dropout = saved.dropout;
-  Bf16ProductScratch* const bf16 = saved.bf16_backward ? &saved.bf16_products : nullptr;
+  ReducedProducts* const reduced = &saved.products;
   const Index heads = config.num_heads, head_dim = config.head_dim;
   const Index rows = plan.batch * plan.query_len;
   const Index inner = parameters.inner_dim(), kv_width = parameters.kv_dim();
@@ -170,14 +173,14 @@ void backward(LayerParameters<T>& parameters, const void* layer, SavedState<T>& 
   const auto grad_out = grad_output.matrix();
   gradient_product<T>(
       strided(grads.out_proj_weight.matrix()), const_strided(grad_out), Operand::transposed,
-      const_strided(gate.empty() ? forward.attended : forward.gated), Accumulate::yes, bf16);
+      const_strided(gate.empty() ? forward.attended : forward.gated), Accumulate::yes, reduced);
   // Column sums of no rows (B or L = 0) are skipped: Eigen's reduction of an empty matrix
   // offsets its null data pointer, which is undefined.
   if (config.bias && rows > 0) grads.out_proj_bias.flat() += grad_out.colwise().sum().transpose();
   Matrix<T>& grad_attended = saved.grad_attended;
   grad_attended.resize(rows, inner);
   gradient_product<T>(strided(grad_attended), const_strided(grad_out), Operand::as_stored,
-                      const_strided(values.out_proj_weight.matrix()), Accumulate::no, bf16);
+                      const_strided(values.out_proj_weight.matrix()), Accumulate::no, reduced);
   // gated_h = gate_h attended_h: the gate's gradient is sum(grad_gated_h ∘ attended_h), and the
   // heads' own gradient is gate_h grad_gated_h.
   Tensor<T> grad_gate;
@@ -251,7 +254,7 @@ void backward(LayerParameters<T>& parameters, const void* layer, SavedState<T>& 
     if (rows == 0) return;
     const auto input = saved.query.matrix();
     gradient_product<T>(strided(grads.in_proj_weight.matrix()), const_strided(saved.grad_qkv),
-                        Operand::transposed, const_strided(input), Accumulate::yes, bf16);
+                        Operand::transposed, const_strided(input), Accumulate::yes, reduced);
     if (config.bias) grads.in_proj_bias.flat() += saved.grad_qkv.colwise().sum().transpose();
     Tensor<T>* inputs[] = {&input_grads.query, &input_grads.key, &input_grads.value};
     for (int which = 0; which < 3; ++which) {
@@ -259,16 +262,16 @@ void backward(LayerParameters<T>& parameters, const void* layer, SavedState<T>& 
                           const_strided(saved.grad_qkv.middleCols(
                               parameters.bias_offset(which), parameters.projection_width(which))),
                           Operand::as_stored, const_strided(parameters.weight_rows(which)),
-                          Accumulate::no, bf16);
+                          Accumulate::no, reduced);
     }
     return;
   }
   backward_projection(parameters, saved.grad_q, saved.query, 0, plan.batch, query_len, query_len,
-                      input_grads.query, bf16);
+                      input_grads.query, reduced);
   backward_projection(parameters, saved.grad_k, saved.key, 1, plan.batch, plan.key_len, total_keys,
-                      input_grads.key, bf16);
+                      input_grads.key, reduced);
   backward_projection(parameters, saved.grad_v, saved.value, 2, plan.batch, plan.key_len,
-                      total_keys, input_grads.value, bf16);
+                      total_keys, input_grads.value, reduced);
 }
 
 // The instantiations mha::compiled holds (src/layer_training.cpp; see mha/compiled.hpp).
