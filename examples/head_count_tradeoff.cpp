@@ -4,7 +4,7 @@
 // depend on H, and the seed is the same) and sees the same batches: only the split into heads
 // differs. Prints, per H, the held-out loss and accuracies and the training time per step.
 //
-//   build/examples/head_count_tradeoff [--seed N] [--steps N] [--precision fp32|bf16]
+//   build/examples/head_count_tradeoff [--seed N] [--steps N] [--precision fp32|bf16|fp16]
 //
 // Deterministic for a given seed and step count (the timings aside).
 #include <algorithm>

@@ -10,7 +10,7 @@
 // The heatmaps are also written as pictures, head_specialization_heads.svg (and .png when built
 // with stb), into the current directory or the one given with --output-dir.
 //
-//   build/examples/head_specialization [--seed N] [--steps N] [--precision fp32|bf16]
+//   build/examples/head_specialization [--seed N] [--steps N] [--precision fp32|bf16|fp16]
 //                                      [--output-dir DIR]
 //
 // Deterministic for a given seed and step count (the timings aside).
@@ -329,5 +329,9 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape)
   print_verdict(evaluation);
   std::printf("\ntrained %td steps in %.1f s (%.0f steps/s)\n", steps, seconds,
               static_cast<double>(steps) / seconds);
+  if (config.precision == mha::Precision::fp16) {
+    std::printf("loss scaling: %td of %td steps skipped for an overflowing gradient; scale %g\n",
+                model.skipped_steps(), steps, static_cast<double>(model.loss_scale()));
+  }
   return 0;
 }

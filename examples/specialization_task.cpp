@@ -116,6 +116,11 @@ Model::Model(const ModelConfig& config)
   mha::AdamOptions adam;
   adam.lr = config.lr;
   optimizer_ = std::make_unique<mha::Adam<float>>(parameters, adam);
+  // fp16 needs loss scaling: the loss's gradient times the scaler's scale, every gradient
+  // divided by it before Adam, and a step skipped when one overflowed.
+  if (config.precision == mha::Precision::fp16) {
+    scaler_ = std::make_unique<mha::GradScaler<float>>(parameters);
+  }
 }
 
 Scores Model::train_step() {
@@ -137,6 +142,7 @@ Scores Model::train_step() {
   Scores scores;
   grad_logits_.resize(logits_.rows(), logits_.cols());
   cross_entropy(batch, logits_, scores, &grad_logits_, nullptr);
+  if (scaler_) grad_logits_ *= scaler_->scale();  // fp16: every gradient below is scaled
 
   // The readout z = a W_rᵀ + b_r, differentiated:
   //   d W_r = grad_zᵀ a      [2V, E]    (summed over every row b, i)
@@ -174,7 +180,12 @@ Scores Model::train_step() {
     }
   }
 
-  optimizer_->step();
+  if (scaler_) {
+    if (!scaler_->step(*optimizer_)) ++skipped_steps_;  // unscaled first; skipped on overflow
+    scaler_->update();
+  } else {
+    optimizer_->step();
+  }
   return scores;
 }
 
@@ -366,12 +377,13 @@ int parse_arguments(int argc, char** argv, const char* steps_meaning, ModelConfi
   const auto usage = [&](int code) {
     (void)std::fprintf(
         code == 0 ? stdout : stderr,
-        "usage: %s [--seed N] [--steps N] [--precision fp32|bf16]\n"
+        "usage: %s [--seed N] [--steps N] [--precision fp32|bf16|fp16]\n"
         "  --seed N          seed of the initialisation and of the training data (default 1)\n"
         "  --steps N         %s (default %td)\n"
-        "  --precision P     the attention layer's training arithmetic: fp32 (default) or\n"
-        "                    bf16, mixed precision (products in bf16, sums, softmax,\n"
-        "                    parameters and Adam's state in fp32)\n",
+        "  --precision P     the attention layer's training arithmetic: fp32 (default), or\n"
+        "                    mixed precision: bf16 or fp16 products (fp16 emulated, with\n"
+        "                    mha::GradScaler's loss scaling); sums, softmax, parameters and\n"
+        "                    Adam's state in fp32\n",
         argv[0], steps_meaning, steps);
     return code;
   };
@@ -391,6 +403,8 @@ int parse_arguments(int argc, char** argv, const char* steps_meaning, ModelConfi
         config.precision = mha::Precision::fp32;
       } else if (std::strcmp(text, "bf16") == 0) {
         config.precision = mha::Precision::bf16;
+      } else if (std::strcmp(text, "fp16") == 0) {
+        config.precision = mha::Precision::fp16;
       } else {
         return usage(2);
       }
@@ -405,6 +419,9 @@ int parse_arguments(int argc, char** argv, const char* steps_meaning, ModelConfi
 }
 
 std::string precision_words(const ModelConfig& config) {
+  if (config.precision == mha::Precision::fp16) {
+    return "fp16 mixed precision (emulated), with dynamic loss scaling";
+  }
   if (config.precision != mha::Precision::bf16) return "fp32";
   return mha::bf16_arithmetic_available()
              ? "bf16 mixed precision"

@@ -101,9 +101,10 @@ struct ModelConfig {
   Index batch = 32;  // B, sequences per training step
   double lr = 3e-3;  // Adam's learning rate
   std::uint64_t seed = 1;
-  // The layer's arithmetic in training: fp32, or bf16 mixed precision (its projections' products
-  // in bf16 with fp32 sums, forward and backward; its attention core, parameters and Adam's state
-  // in fp32). The embeddings and the readout stay fp32.
+  // The layer's arithmetic in training: fp32, or bf16 or fp16 mixed precision (its projections'
+  // products with operands rounded to 16 bits and fp32 sums, forward and backward; its attention
+  // core, parameters and Adam's state in fp32; fp16 with loss scaling). The embeddings and the
+  // readout stay fp32.
   mha::Precision precision = mha::Precision::fp32;
 };
 
@@ -150,6 +151,10 @@ class Model {
   // loss and accuracy (measured before the update).
   Scores train_step();
 
+  // fp16's loss scaling so far: the steps skipped for an overflowing gradient, and the scale.
+  Index skipped_steps() const { return skipped_steps_; }
+  float loss_scale() const { return scaler_ ? scaler_->scale() : 1.0F; }
+
   // Evaluation mode (forward, no gradients) with every head's weights, on a fixed batch.
   Evaluation evaluate(const Batch& batch) const;
 
@@ -182,6 +187,8 @@ class Model {
   mha::Tensor<float> tok_, prev_, pos_, readout_weight_, readout_bias_;
   mha::Tensor<float> tok_grad_, prev_grad_, pos_grad_, readout_weight_grad_, readout_bias_grad_;
   std::unique_ptr<mha::Adam<float>> optimizer_;
+  std::unique_ptr<mha::GradScaler<float>> scaler_;  // fp16 only
+  Index skipped_steps_ = 0;
   // Buffers reused by every step.
   mha::SavedForward<float> saved_;
   mha::Tensor<float> x_, grad_a_;
@@ -268,7 +275,7 @@ constexpr double kSolveAccuracy = 0.99;
 // the loss stops being a number.
 TrainingRecord train(Model& model, Index steps, Progress& progress);
 
-// The command line both examples take: --seed N, --steps N, --precision fp32|bf16, --help.
+// The command line both examples take: --seed N, --steps N, --precision fp32|bf16|fp16, --help.
 // Fills config's seed and precision and steps and returns -1 to go on; otherwise prints the usage
 // (steps_meaning says what a step counts) and returns the exit code: 0 after --help, 2 for a bad
 // argument.

@@ -6,11 +6,13 @@
 // and the same bits whatever the thread count; the output and every gradient of a training step
 // within a stated bound of float64's; and a bf16 training run's loss falling as fp32's does.
 #include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
 #include "helpers.hpp"
 #include "mha/kernels/bf16_matrix_product.hpp"
+#include "mha/kernels/fp16_products.hpp"
 #include "mha/optim.hpp"
 
 #ifdef _OPENMP
@@ -217,4 +219,170 @@ TEST_CASE("a mixed-precision training step's output and gradients stay within th
       }
     }
   }
+}
+
+TEST_CASE("fp16 products: operands rounded to half as IEEE rounds, then the fp32 GEMM's sums",
+          "[mixed][precision]") {
+  using mha::detail::Accumulate;
+  using mha::detail::Operand;
+  // To nearest, ties to even: 1 + 2^-11 lies halfway between 1 and 1 + 2^-10 and goes to 1;
+  // 65504 is the largest half, 65520 and beyond round to infinity; below 2^-25 to zero; 2^-24,
+  // the smallest subnormal, stays.
+  const std::vector<float> values = {1.0F + std::ldexp(1.0F, -11),
+                                     1.0F + 3 * std::ldexp(1.0F, -11),
+                                     65504.0F,
+                                     65519.0F,
+                                     -65520.0F,
+                                     std::ldexp(1.0F, -26),
+                                     std::ldexp(1.0F, -24),
+                                     0.1F};
+  const std::vector<float> expected = {1.0F,
+                                       1.0F + std::ldexp(1.0F, -9),
+                                       65504.0F,
+                                       65504.0F,
+                                       -std::numeric_limits<float>::infinity(),
+                                       0.0F,
+                                       std::ldexp(1.0F, -24),
+                                       0.0999755859375F};
+  mha::Matrix<float> rounded;
+  mha::detail::round_through_half(
+      mha::ConstStridedMap<float>(values.data(), 1, static_cast<Index>(values.size()),
+                                  Eigen::OuterStride<>(static_cast<Index>(values.size()))),
+      rounded);
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    INFO(values[i]);
+    CHECK(rounded(0, static_cast<Index>(i)) == expected[i]);
+  }
+  // The products: the fp32 GEMM's own bits on the rounded operands, both layouts of lhs.
+  for (const Operand lhs_op : {Operand::as_stored, Operand::transposed}) {
+    const Index rows = 13, cols = 21, depth = 300;
+    const bool transposed = lhs_op == Operand::transposed;
+    const auto lhs = mha_test::random_tensor<float>({transposed ? depth : rows,
+                                                     transposed ? rows : depth}, 96);
+    const auto rhs = mha_test::random_tensor<float>({depth, cols}, 97);
+    mha::Matrix<float> dst = mha::Matrix<float>::Constant(rows, cols, 0.5F), reference = dst;
+    mha::detail::Fp16ProductScratch scratch;
+    const auto lhs_block = mha::detail::const_strided(lhs.matrix());
+    const auto rhs_block = mha::detail::const_strided(rhs.matrix());
+    mha::detail::fp16_matrix_product(mha::detail::strided(dst), lhs_block, lhs_op, rhs_block,
+                                     Accumulate::yes, scratch);
+    mha::Matrix<float> lhs_half, rhs_half;
+    mha::detail::round_through_half(lhs_block, lhs_half);
+    mha::detail::round_through_half(rhs_block, rhs_half);
+    mha::detail::matrix_product<float>(mha::detail::strided(reference),
+                                       mha::detail::const_strided(lhs_half), lhs_op,
+                                       mha::detail::const_strided(rhs_half), Accumulate::yes);
+    CHECK(dst == reference);
+    CHECK(lhs_half != lhs.matrix());  // the rounding did something
+  }
+}
+
+TEST_CASE("GradScaler follows torch's GradScaler: skip on overflow, back off, grow", "[mixed]") {
+  Tensor<float> value({3}), grad({3});
+  value.flat().setZero();
+  mha::ParameterList<float> parameters = {mha::make_parameter("w", value, grad)};
+  mha::SgdOptions sgd;
+  sgd.lr = 1.0;
+  mha::Sgd<float> optimiser(parameters, sgd);
+  mha::GradScalerOptions options;
+  options.growth_interval = 3;
+  mha::GradScaler<float> scaler(parameters, options);
+  CHECK(scaler.scale() == 65536.0F);
+  // A clean step: the gradients divided by the scale, then the step (w -= lr * g).
+  const auto scaled_gradients = [&](float a, float b, float c) {
+    grad.data()[0] = a * scaler.scale();
+    grad.data()[1] = b * scaler.scale();
+    grad.data()[2] = c * scaler.scale();
+  };
+  scaled_gradients(1.0F, -2.0F, 0.5F);
+  CHECK(scaler.step(optimiser));
+  CHECK(value.data()[0] == -1.0F);
+  CHECK(value.data()[1] == 2.0F);
+  CHECK(value.data()[2] == -0.5F);
+  scaler.update();
+  CHECK(scaler.growth_tracker() == 1);
+  CHECK(scaler.scale() == 65536.0F);
+  // An overflow: no step, the scale halves, the count of clean steps restarts.
+  scaled_gradients(1.0F, 1.0F, 1.0F);
+  grad.data()[1] = std::numeric_limits<float>::infinity();
+  CHECK_FALSE(scaler.step(optimiser));
+  CHECK(scaler.found_inf());
+  CHECK(value.data()[0] == -1.0F);  // unchanged
+  scaler.update();
+  CHECK(scaler.scale() == 32768.0F);
+  CHECK(scaler.growth_tracker() == 0);
+  // NaN counts as an overflow too; unscale() before step() is not repeated by it.
+  grad.flat().setConstant(std::numeric_limits<float>::quiet_NaN());
+  CHECK_FALSE(scaler.unscale());
+  CHECK_FALSE(scaler.step(optimiser));
+  scaler.update();
+  CHECK(scaler.scale() == 16384.0F);
+  // growth_interval clean steps in a row double it.
+  for (int step = 0; step < 3; ++step) {
+    scaled_gradients(0.0F, 0.0F, 0.0F);
+    CHECK(scaler.step(optimiser));
+    scaler.update();
+  }
+  CHECK(scaler.scale() == 32768.0F);
+  CHECK(scaler.growth_tracker() == 0);
+  // Misuse: a second unscale, or an update with nothing checked.
+  scaled_gradients(1.0F, 1.0F, 1.0F);
+  CHECK(scaler.unscale());
+  CHECK(mha_test::contains(mha_test::message_of<std::logic_error>([&] { scaler.unscale(); }),
+                           "already called"));
+  scaler.update();
+  CHECK(mha_test::contains(mha_test::message_of<std::logic_error>([&] { scaler.update(); }),
+                           "no unscale() or step()"));
+  // Options torch refuses, and NaN.
+  const auto refused = [&](auto edit, const char* name) {
+    mha::GradScalerOptions bad;
+    edit(bad);
+    CHECK(mha_test::contains(mha_test::message_of<std::invalid_argument>(
+                                 [&] { mha::GradScaler<float>(parameters, bad); }),
+                             name));
+  };
+  refused([](mha::GradScalerOptions& o) { o.growth_factor = 1.0; }, "growth_factor");
+  refused([](mha::GradScalerOptions& o) { o.backoff_factor = 1.0; }, "backoff_factor");
+  refused([](mha::GradScalerOptions& o) { o.growth_interval = 0; }, "growth_interval");
+  refused([](mha::GradScalerOptions& o) { o.init_scale = std::nan(""); }, "init_scale");
+  refused([](mha::GradScalerOptions& o) { o.init_scale = 1e39; }, "init_scale");
+}
+
+TEST_CASE("fp16 training needs loss scaling for small gradients, and GradScaler gives it",
+          "[mixed][precision]") {
+  // A loss whose gradient is of order 1e-7 (g below): in fp16 the backward's products round it
+  // to zero or to a few bits (fp16's smallest subnormal is 6e-8), while the gradients scaled by
+  // GradScaler's 65536 keep fp16's precision and, unscaled, match float64's.
+  MultiHeadAttentionConfig config(64, 2);
+  MultiHeadAttention<double> wide(config);
+  MultiHeadAttention<float> layer = converted<float>(wide);
+  wide = converted<double>(layer);
+  const auto x = mha_test::random_tensor<float>({2, 20, 64}, 98);
+  Tensor<float> g = mha_test::random_tensor<float>({2, 20, 64}, 99);
+  g.flat() *= 1e-7F;
+  ForwardOptions<double> wide_options;
+  wide_options.need_weights = false;
+  const Step exact = training_step(wide, x, x, wide_options, g);
+  ForwardOptions<float> options;
+  options.need_weights = false;
+  options.precision = Precision::fp16;
+  const auto weight_error = [&](const Step& step) {
+    return mha_test::error_of_largest(step.parameters[0].second, exact.parameters[0].second);
+  };
+  const Step unscaled = training_step(layer, x, x, options, g);
+  INFO("in_proj_weight's gradient, unscaled: " << weight_error(unscaled) << " of the largest");
+  CHECK(weight_error(unscaled) > 0.1);  // mostly lost
+  // Scaled as GradScaler asks, then unscaled by it.
+  mha::GradScaler<float> scaler(layer.parameters());
+  Tensor<float> scaled_g = g;
+  scaled_g.flat() *= scaler.scale();
+  layer.zero_grad();
+  mha::SavedForward<float> saved;
+  layer.forward_train(x, options, saved);
+  layer.backward(saved, scaled_g);
+  CHECK(scaler.unscale());
+  const Step scaled{{}, {}, {{"in_proj_weight",
+                              mha::tensor_cast<double>(layer.gradient("in_proj_weight"))}}};
+  INFO("scaled: " << weight_error(scaled));
+  CHECK(weight_error(scaled) <= 2e-3);  // the fp16 bound of the step test above
 }

@@ -22,6 +22,7 @@
 #include "mha/io/safetensors_format.hpp"
 #include "mha/io/safetensors_format_impl.hpp"
 #include "mha/kernels/bf16_gemm.hpp"
+#include "mha/kernels/bf16_matrix_product.hpp"
 #include "mha/kernels/bf16_projection.hpp"
 #include "mha/kernels/common.hpp"
 #include "mha/kernels/convert.hpp"
@@ -31,6 +32,7 @@
 #include "mha/kernels/flash_bf16.hpp"
 #include "mha/kernels/flash_panels.hpp"
 #include "mha/kernels/flash_small_head.hpp"
+#include "mha/kernels/fp16_products.hpp"
 #include "mha/kernels/gemm.hpp"
 #include "mha/kernels/int8_gemm.hpp"
 #include "mha/kernels/int8_weights.hpp"
@@ -42,6 +44,7 @@
 #include "mha/kernels/tile_product.hpp"
 #include "mha/kernels/unroll.hpp"
 #include "mha/kv_cache.hpp"
+#include "mha/loss_scaling.hpp"
 #include "mha/layer/config.hpp"
 #include "mha/layer/decode.hpp"
 #include "mha/layer/forward.hpp"
@@ -68,6 +71,7 @@ template class mha::MultiHeadAttention<float>;
 template class mha::FrozenMultiHeadAttention<float>;
 template class mha::KVCache<float>;
 template class mha::Mask<float>;
+template class mha::GradScaler<float>;
 template class mha::Sgd<float>;
 template class mha::Adam<float>;
 template class mha::AdamW<float>;

@@ -16,6 +16,7 @@
 #include "mha/heatmap.hpp"
 #include "mha/init.hpp"
 #include "mha/kv_cache.hpp"
+#include "mha/loss_scaling.hpp"
 #include "mha/mask.hpp"
 #include "mha/multihead_attention.hpp"
 #include "mha/optim.hpp"
