@@ -1199,7 +1199,7 @@ BENCHMARK_CAPTURE(train, flash, mha::Kernel::flash)->Name("train/flash")->Apply(
 BENCHMARK_CAPTURE(train, auto, mha::Kernel::automatic) -> Name("train/auto") -> Apply(train_shapes);
 BENCHMARK_CAPTURE(train, bf16, mha::Kernel::automatic, mha::Precision::bf16)
     ->Name("train_bf16/auto")
-    ->Apply(bf16_shapes);
+    ->Apply(train_shapes);
 BENCHMARK_CAPTURE(sdpa, reference, mha::Kernel::reference)
     ->Name("sdpa/reference")
     ->Apply(default_shapes);

@@ -105,10 +105,10 @@ namespace {
 
 // A fixture of torch's run by mha_run with `metadata` added to its own: the largest difference
 // of `result` (the output, or a gradient) from torch's, over torch's largest magnitude.
-double error_with_metadata(const std::map<std::string, std::string>& metadata,
-                           const std::string& name =
-                               "gqa_f32_kv2_kdim_vdim_bias_kv_zero_attn_per_head",
-                           const std::string& result = "output") {
+double error_with_metadata(
+    const std::map<std::string, std::string>& metadata,
+    const std::string& name = "gqa_f32_kv2_kdim_vdim_bias_kv_zero_attn_per_head",
+    const std::string& result = "output") {
   const fs::path dir = scratch_dir();
   auto in = mha::io::read_safetensors(fixture(name + ".in.safetensors"));
   for (const auto& [key, value] : metadata) in.metadata[key] = value;
@@ -456,8 +456,8 @@ TEST_CASE("mha_run refuses bad input with exit code 1 and one line", "[mha_run][
   refused_with(file, "metadata 'weights': int8 weights are for inference");
   file = original;
   file.metadata["precision"] = "fp8";
-  refused_with(file,
-               "metadata 'precision': expected \"fp32\", \"bf16\", \"int8\" or \"fp16\", got \"fp8\"");
+  refused_with(
+      file, "metadata 'precision': expected \"fp32\", \"bf16\", \"int8\" or \"fp16\", got \"fp8\"");
   file = original;
   file.metadata["precision"] = "fp16";  // without grad_output: inference
   refused_with(file, "fp16 products are for mixed-precision training");

@@ -128,8 +128,10 @@ Step training_step(MultiHeadAttention<T> layer, const Tensor<float>& query,
   const auto result = layer.forward_train(q, k, k, options, saved);
   const auto grads = layer.backward(saved, mha::tensor_cast<T>(g));
   Step step{mha::tensor_cast<double>(result.output),
-            {mha::tensor_cast<double>(grads.query), mha::tensor_cast<double>(grads.key),
-             mha::tensor_cast<double>(grads.value), {}},
+            {mha::tensor_cast<double>(grads.query),
+             mha::tensor_cast<double>(grads.key),
+             mha::tensor_cast<double>(grads.value),
+             {}},
             {}};
   for (const auto& name : layer.parameter_names())
     step.parameters.emplace_back(name, mha::tensor_cast<double>(layer.gradient(name)));
@@ -171,7 +173,8 @@ TEST_CASE("a mixed-precision training step's output and gradients stay within th
     mha::detail::CoreOptions<float> core;
     core.bf16_products = available;
     const Index head_dim = c.embed_dim / c.heads;
-    const FlashPath path = mha::detail::flash_path<float>(head_dim, head_dim, c.query_len, core, {});
+    const FlashPath path =
+        mha::detail::flash_path<float>(head_dim, head_dim, c.query_len, core, {});
     if (available) CHECK(path == c.path);
     MultiHeadAttentionConfig config(c.embed_dim, c.heads);
     config.bias = true;
@@ -257,8 +260,8 @@ TEST_CASE("fp16 products: operands rounded to half as IEEE rounds, then the fp32
   for (const Operand lhs_op : {Operand::as_stored, Operand::transposed}) {
     const Index rows = 13, cols = 21, depth = 300;
     const bool transposed = lhs_op == Operand::transposed;
-    const auto lhs = mha_test::random_tensor<float>({transposed ? depth : rows,
-                                                     transposed ? rows : depth}, 96);
+    const auto lhs =
+        mha_test::random_tensor<float>({transposed ? depth : rows, transposed ? rows : depth}, 96);
     const auto rhs = mha_test::random_tensor<float>({depth, cols}, 97);
     mha::Matrix<float> dst = mha::Matrix<float>::Constant(rows, cols, 0.5F), reference = dst;
     mha::detail::Fp16ProductScratch scratch;
@@ -381,8 +384,48 @@ TEST_CASE("fp16 training needs loss scaling for small gradients, and GradScaler 
   layer.forward_train(x, options, saved);
   layer.backward(saved, scaled_g);
   CHECK(scaler.unscale());
-  const Step scaled{{}, {}, {{"in_proj_weight",
-                              mha::tensor_cast<double>(layer.gradient("in_proj_weight"))}}};
+  const Step scaled{
+      {}, {}, {{"in_proj_weight", mha::tensor_cast<double>(layer.gradient("in_proj_weight"))}}};
   INFO("scaled: " << weight_error(scaled));
   CHECK(weight_error(scaled) <= 2e-3);  // the fp16 bound of the step test above
+}
+
+TEST_CASE("a bf16 step's backward differentiates the scores its forward computed",
+          "[mixed][precision]") {
+  if (!mha::detail::bf16_dot_available()) {
+    WARN("this CPU lacks AVX512_BF16: Precision::bf16 trains in fp32 here");
+    return;
+  }
+  // Weights of normal(0, 0.5): logits of order 100, where a score's bf16 rounding (|s| · 2^-8)
+  // moves the softmax, and the output is 6.5e-2 from float64's. The backward recomputes the
+  // probabilities from q, k and the forward's log-sum-exp: reading the bf16 q and k the forward
+  // read, it recomputes the forward's scores, and the gradients stay about as far from float64
+  // as the output (3.6-7.4e-2 measured); recomputing them from unrounded q and k would meet a
+  // log-sum-exp of other scores (gradients 4.9-12.8e-2 from float64 measured that way).
+  MultiHeadAttentionConfig config(96, 3);  // D = 32: the flash kernel's bf16 panels
+  MultiHeadAttention<float> layer(config);
+  mha_test::randomise(layer, 7);
+  const MultiHeadAttention<double> wide = converted<double>(layer);
+  const auto x = mha_test::random_tensor<float>({1, 70, 96}, 93);
+  const auto g = mha_test::random_tensor<float>({1, 70, 96}, 95);
+  ForwardOptions<double> wide_options;
+  wide_options.need_weights = false;
+  ForwardOptions<float> options;
+  options.need_weights = false;
+  options.precision = Precision::bf16;
+  const Step exact = training_step(wide, x, x, wide_options, g);
+  const Step bf16 = training_step(layer, x, x, options, g);
+  const double output_error = mha_test::error_of_largest(bf16.output, exact.output);
+  INFO("output error " << output_error);
+  const auto check = [&](const std::string& what, const Tensor<double>& actual,
+                         const Tensor<double>& expected) {
+    const double error = mha_test::error_of_largest(actual, expected);
+    INFO(what << " error " << error);
+    CHECK(error <= 1.5 * output_error);
+  };
+  check("grad query", bf16.inputs.query, exact.inputs.query);
+  for (std::size_t i = 0; i < exact.parameters.size(); ++i) {
+    check("grad " + exact.parameters[i].first, bf16.parameters[i].second,
+          exact.parameters[i].second);
+  }
 }

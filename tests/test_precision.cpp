@@ -364,11 +364,11 @@ TEST_CASE("a layer's decode, double computations and training refuse what they d
                            "precision"));
   MultiHeadAttention<double> wide_trained = wide;
   mha::SavedForward<double> wide_saved;
-  CHECK(mha_test::contains(
-      mha_test::message_of<std::invalid_argument>([&] {
-        wide_trained.forward_train(mha::tensor_cast<double>(x), wide_options, wide_saved);
-      }),
-      "bf16 on a double layer"));
+  CHECK(mha_test::contains(mha_test::message_of<std::invalid_argument>([&] {
+                             wide_trained.forward_train(mha::tensor_cast<double>(x), wide_options,
+                                                        wide_saved);
+                           }),
+                           "bf16 on a double layer"));
 }
 
 TEST_CASE("int8 weights: per-row scales, levels within half a step, products as double's",

@@ -307,8 +307,8 @@ std::optional<std::vector<Tensor<float>>> try_training_step(
   mha::SavedForward<float> saved;
   try {
     std::vector<Tensor<float>> results;
-    results.push_back(trained.forward_train(query.view(), key.view(), value.view(), options, saved)
-                          .output);
+    results.push_back(
+        trained.forward_train(query.view(), key.view(), value.view(), options, saved).output);
     const auto grads = trained.backward(saved, grad_output.view());
     for (const Tensor<float>* grad : {&grads.query, &grads.key, &grads.value, &grads.head_gate})
       results.push_back(*grad);

@@ -143,10 +143,10 @@ __attribute__((target("avx512f,avx512bf16"))) inline void round_to_bf16_in_place
     float* row = m + i * stride;
     for (Index c = 0; c < cols; c += 16) {
       const __mmask16 inside = lanes_inside(cols, c);
-      const auto bits = reinterpret_cast<__m256i>(
-          _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(inside, row + c)));
-      _mm512_mask_storeu_ps(row + c, inside,
-                            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
+      const auto bits =
+          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(inside, row + c)));
+      _mm512_mask_storeu_ps(
+          row + c, inside, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
     }
   }
 }

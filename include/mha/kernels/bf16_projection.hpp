@@ -107,8 +107,8 @@ inline void bf16_projection(const float* x, Index rows, Index x_stride, const Bf
       round_rows_bf16(x + i0 * x_stride, std::min(S::kMr, rows - i0), depth, x_stride,
                       a + i0 * pairs, pairs);
     }
-    bf16_team_columns(rows, outputs, pairs, a, pairs, w.panels.data(), w.panel_stride(),
-                      accumulate, dst, ld);
+    bf16_team_columns(rows, outputs, pairs, a, pairs, w.panels.data(), w.panel_stride(), accumulate,
+                      dst, ld);
   }
 }
 

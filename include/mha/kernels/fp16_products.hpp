@@ -43,16 +43,17 @@ struct Fp16Scratch {
 
   // dst = x · Wᵀ on the rounded operands, by the fp32 GEMM.
   void project(StridedMap<float> dst, const ConstStridedMap<float>& x,
-               const Eigen::Map<const Matrix<float>>& w, std::vector<KernelScratch<float>>& scratch) {
+               const Eigen::Map<const Matrix<float>>& w,
+               std::vector<KernelScratch<float>>& scratch) {
     if (weight_of != w.data() || weight.rows() != w.rows() || weight.cols() != w.cols()) {
       round_through_half(const_strided(w), weight);
       weight_of = w.data();
     }
     round_through_half(x, rows);
-    product_transposed<float>(dst, const_strided(rows),
-                              Eigen::Map<const Matrix<float>>(weight.data(), weight.rows(),
-                                                              weight.cols()),
-                              Accumulate::no, scratch);
+    product_transposed<float>(
+        dst, const_strided(rows),
+        Eigen::Map<const Matrix<float>>(weight.data(), weight.rows(), weight.cols()),
+        Accumulate::no, scratch);
   }
 };
 

@@ -301,7 +301,8 @@ void backward_projection(LayerParameters<T>& parameters, const Matrix<T>& grad_y
     accumulate_bias(grad_rows);
     gradient_product<T>(
         strided(Eigen::Map<Matrix<T>>(grad_input.data() + b * rows * width, rows, width)),
-        const_strided(grad_rows), Operand::as_stored, const_strided(weight), Accumulate::no, reduced);
+        const_strided(grad_rows), Operand::as_stored, const_strided(weight), Accumulate::no,
+        reduced);
     // The zero row is a constant: its gradient goes nowhere.
     if (config.add_bias_kv && which > 0) {
       grad_extra.flat() += grad_y.row(b * total_rows + rows).transpose();
