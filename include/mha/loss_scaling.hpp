@@ -53,7 +53,7 @@ class GradScaler {
       : parameters_(std::move(parameters)), options_(options) {
     detail::check_optimizer_parameters(parameters_);
     const GradScalerOptions& o = options_;
-    const double largest = static_cast<double>(std::numeric_limits<float>::max());
+    const auto largest = static_cast<double>(std::numeric_limits<float>::max());
     detail::check_option(o.init_scale > 0.0 && o.init_scale <= largest,
                          "GradScalerOptions.init_scale", "a positive finite float", o.init_scale);
     detail::check_option(o.growth_factor > 1.0 && o.growth_factor <= largest,

@@ -42,7 +42,7 @@ struct Fp16Scratch {
   void forget() { weight_of = nullptr; }
 
   // dst = x · Wᵀ on the rounded operands, by the fp32 GEMM.
-  void project(StridedMap<float> dst, const ConstStridedMap<float>& x,
+  void project(const StridedMap<float>& dst, const ConstStridedMap<float>& x,
                const Eigen::Map<const Matrix<float>>& w,
                std::vector<KernelScratch<float>>& scratch) {
     if (weight_of != w.data() || weight.rows() != w.rows() || weight.cols() != w.cols()) {
@@ -63,7 +63,7 @@ struct Fp16ProductScratch {
 };
 
 // dst = (or +=) op(lhs) · rhs on operands rounded to half, by the fp32 GEMM (see the top).
-inline void fp16_matrix_product(StridedMap<float> dst, const ConstStridedMap<float>& lhs,
+inline void fp16_matrix_product(const StridedMap<float>& dst, const ConstStridedMap<float>& lhs,
                                 Operand lhs_op, const ConstStridedMap<float>& rhs,
                                 Accumulate accumulate, Fp16ProductScratch& scratch) {
   round_through_half(lhs, scratch.lhs);

@@ -136,8 +136,8 @@ void forward_train(LayerParameters<T>& parameters, const void* layer, Random& dr
   parameters.ensure_gradients();
   saved.plan = plan;
   saved.products.precision = bf16 && bf16_dot_available() ? Precision::bf16
-                             : fp16                         ? Precision::fp16
-                                                            : Precision::fp32;
+                             : fp16                       ? Precision::fp16
+                                                          : Precision::fp32;
   saved.dropout = core.dropout;
   saved.layer = layer;
 }
