@@ -186,7 +186,9 @@ void backward(LayerParameters<T>& parameters, const void* layer, SavedState<T>& 
   Tensor<T> grad_gate;
   if (!gate.empty()) {
     grad_gate.resize({heads});
-    for (Index h = 0; h < heads; ++h) {
+    grad_gate.flat().setZero();
+    // No rows (B or L = 0): sums of nothing, and the column blocks would offset null data.
+    for (Index h = 0; h < (rows > 0 ? heads : 0); ++h) {
       auto grad_head = grad_attended.middleCols(h * head_dim, head_dim);
       grad_gate.data()[h] =
           grad_head.cwiseProduct(forward.attended.middleCols(h * head_dim, head_dim)).sum();
