@@ -1,10 +1,14 @@
 // Mixed-precision training: a float layer's forward_train and backward with Precision::bf16 run
 // its projections' products, forward and backward, in bf16 with fp32 sums
-// (kernels/bf16_matrix_product.hpp for the backward's), its attention core in fp32, and keep its
-// parameters, gradients and an optimiser's state in fp32. Checked here: the backward's bf16
-// product against double on the same rounded operands, for both layouts of its left operand,
-// and the same bits whatever the thread count; the output and every gradient of a training step
-// within a stated bound of float64's; and a bf16 training run's loss falling as fp32's does.
+// (kernels/bf16_matrix_product.hpp for the backward's), and the flash kernel's forward products
+// where its bf16 panels run; with Precision::fp16 the projections' products on operands rounded
+// to half (kernels/fp16_products.hpp); the attention's backward, the parameters, gradients and
+// an optimiser's state stay fp32. Checked here: the backward's bf16 products against double on
+// the same rounded operands, for both layouts of the left operand, the same bits whatever the
+// thread count; fp16's rounding and products; a training step's output and every gradient within
+// each arithmetic's bound of float64's; the backward differentiating the scores its forward
+// computed; GradScaler's rules, and what it is for (small gradients lost in fp16 without it);
+// and fp16 refused outside training.
 #include <cmath>
 #include <limits>
 #include <string>
@@ -428,4 +432,36 @@ TEST_CASE("a bf16 step's backward differentiates the scores its forward computed
     check("grad " + exact.parameters[i].first, bf16.parameters[i].second,
           exact.parameters[i].second);
   }
+}
+
+TEST_CASE("Precision::fp16 is refused outside training, naming it", "[mixed][precision]") {
+  const MultiHeadAttention<float> layer(MultiHeadAttentionConfig(32, 2));
+  const mha::FrozenMultiHeadAttention<float> frozen(layer);
+  const auto x = mha_test::random_tensor<float>({1, 4, 32}, 41);
+  ForwardOptions<float> options;
+  options.need_weights = false;
+  options.precision = Precision::fp16;
+  const auto refused = [](auto&& call) {
+    CHECK(mha_test::contains(mha_test::message_of<std::invalid_argument>(call),
+                             "fp16 products are for mixed-precision training"));
+  };
+  refused([&] { layer.forward(x, options); });
+  refused([&] { frozen.forward(x, options); });
+  auto cache = layer.make_kv_cache(1, 8);
+  refused([&] { frozen.decode(x, cache, options); });
+  refused([&] { layer.decode(x, cache, options); });
+  CHECK(cache.length(0) == 0);  // nothing changed
+  mha::AttentionOptions<float> attention_options;
+  attention_options.precision = Precision::fp16;
+  const auto q = mha_test::random_tensor<float>({1, 2, 4, 16}, 42);
+  refused([&] { mha::scaled_dot_product_attention(q, q, q, attention_options); });
+  // Training takes it on float layers only.
+  MultiHeadAttention<double> wide(MultiHeadAttentionConfig(32, 2));
+  ForwardOptions<double> wide_options;
+  wide_options.precision = Precision::fp16;
+  mha::SavedForward<double> saved;
+  CHECK(mha_test::contains(mha_test::message_of<std::invalid_argument>([&] {
+                             wide.forward_train(mha::tensor_cast<double>(x), wide_options, saved);
+                           }),
+                           "fp16 on a double layer"));
 }

@@ -198,6 +198,10 @@ def mha_run_seeds():
     with_grad = dict(tensors)
     with_grad["grad_output"] = ("F32", [2, 4, 4], struct.pack("<32f", *[0.25] * 32))
     seeds["grad_output"] = build(with_grad, header["__metadata__"])
+    # Mixed-precision training: a grad_output with precision bf16 or fp16.
+    for precision in ("bf16", "fp16"):
+        seeds[f"train_{precision}"] = build(
+            with_grad, dict(header["__metadata__"], precision=precision, need_weights="0"))
     return seeds
 
 

@@ -288,6 +288,7 @@ Index Decoding<T>::check(const LayerParameters<T>& parameters, const TensorView<
   check_head_gate(options.head_gate, config.num_heads);
   check_window(options.window);
   check_precision<Compute>(options.precision);
+  check_inference_precision(options.precision);
   if (!options.attn_mask.empty() || !options.key_padding_mask.empty()) {
     throw_argument("decode",
                    "takes no attn_mask or key_padding_mask: the cache decides which keys a token "

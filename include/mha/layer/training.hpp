@@ -2,7 +2,9 @@
 // (copies of the inputs and options, the projections, the heads' outputs, the flash kernel's
 // log-sum-exp, the dropout seed), and applies dropout; backward returns the inputs' gradients
 // (InputGradients, with the inputs' shapes) and adds the parameters' into the layer's gradients.
-// float and double only: the 16-bit layers serve inference.
+// float and double only: the 16-bit layers serve inference. A float layer trains in mixed
+// precision with Precision::bf16 or fp16 (its products in 16 bits, its parameters, gradients and
+// softmax in fp32; docs/precision.md, "Mixed-precision training").
 //
 // backward runs the forward's steps in reverse, each with the forward line it differentiates:
 //   output = attended W_oᵀ + b_o           -> grad W_o, grad b_o, grad attended
