@@ -300,7 +300,9 @@ void forward(benchmark::State& state, mha::Kernel kernel, bool fresh = false,
 // (flash tile by tile from the saved log-sum-exp, reference per head into its [L, S'] scratch),
 // so the work done is B·(24·L·E² + 14·L²·E): up to 1/6 more than counted as L grows.
 // train_bf16/: mixed precision (Precision::bf16: the projections' products, forward and backward,
-// in bf16 with fp32 sums; the attention core in fp32), against train/auto of the same run.
+// in bf16 with fp32 sums, and the flash forward's where its bf16 panels run), against train/auto
+// of the same run; train_fp16/: Precision::fp16, emulated (operands rounded to half, fp32
+// products): what the rounding costs.
 void train(benchmark::State& state, mha::Kernel kernel,
            mha::Precision precision = mha::Precision::fp32) {
   const mha::Index B = state.range(0), L = state.range(1), E = state.range(2), H = state.range(3);
@@ -1199,6 +1201,9 @@ BENCHMARK_CAPTURE(train, flash, mha::Kernel::flash)->Name("train/flash")->Apply(
 BENCHMARK_CAPTURE(train, auto, mha::Kernel::automatic) -> Name("train/auto") -> Apply(train_shapes);
 BENCHMARK_CAPTURE(train, bf16, mha::Kernel::automatic, mha::Precision::bf16)
     ->Name("train_bf16/auto")
+    ->Apply(train_shapes);
+BENCHMARK_CAPTURE(train, fp16, mha::Kernel::automatic, mha::Precision::fp16)
+    ->Name("train_fp16/auto")
     ->Apply(train_shapes);
 BENCHMARK_CAPTURE(sdpa, reference, mha::Kernel::reference)
     ->Name("sdpa/reference")
