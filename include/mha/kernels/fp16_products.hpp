@@ -1,5 +1,5 @@
 // fp16 products for mixed-precision training (Precision::fp16): both operands rounded to IEEE
-// half precision (to nearest, ties to even; beyond 65504 they become infinite, below 2^-24 zero),
+// half precision (to nearest, ties to even; from 65520 on infinite, up to 2^-25 zero),
 // the sums in fp32, as a GPU's fp16 tensor cores compute them. This CPU family has no fp16 dot
 // product (AVX512-FP16 is absent), so the rounding is emulated: the operands are rounded into
 // float copies and the fp32 GEMM multiplies those. It gives fp16's range and precision, which is
