@@ -228,6 +228,43 @@ TEST_CASE("a mixed-precision training step's output and gradients stay within th
   }
 }
 
+TEST_CASE("a bf16 training step gives the same bits on any number of threads, grouped heads too",
+          "[mixed][precision]") {
+  // Causal self-attention with 8 query heads reading 2 key/value heads (D = 32): the flash
+  // kernel's bf16 panels forward and backward, whose tasks (a key/value head and its query
+  // heads) are each computed whole by one thread, and the projections' bf16 products.
+  MultiHeadAttentionConfig config(256, 8);
+  config.num_kv_heads = 2;
+  config.seed = 17;
+  const MultiHeadAttention<float> layer(config);
+  const auto x = mha_test::random_tensor<float>({2, 100, 256}, 18);
+  const auto g = mha_test::random_tensor<float>({2, 100, 256}, 19);
+  ForwardOptions<float> options;
+  options.need_weights = false;
+  options.is_causal = true;
+  options.precision = Precision::bf16;
+  const Step two = training_step(layer, x, x, options, g);
+  options.precision = Precision::fp32;
+  const Step fp32 = training_step(layer, x, x, options, g);
+  if (mha::detail::bf16_dot_available()) CHECK(two.inputs.query.flat() != fp32.inputs.query.flat());
+#ifdef _OPENMP
+  options.precision = Precision::bf16;
+  const int threads_before = omp_get_max_threads();
+  for (const int threads : {1, 3}) {
+    INFO(threads << " threads");
+    omp_set_num_threads(threads);
+    const Step other = training_step(layer, x, x, options, g);
+    CHECK(other.output.flat() == two.output.flat());
+    CHECK(other.inputs.query.flat() == two.inputs.query.flat());
+    for (std::size_t i = 0; i < two.parameters.size(); ++i) {
+      INFO(two.parameters[i].first);
+      CHECK(other.parameters[i].second.flat() == two.parameters[i].second.flat());
+    }
+  }
+  omp_set_num_threads(threads_before);
+#endif
+}
+
 TEST_CASE("fp16 products: operands rounded to half as IEEE rounds, then the fp32 GEMM's sums",
           "[mixed][precision]") {
   using mha::detail::Accumulate;

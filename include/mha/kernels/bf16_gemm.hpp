@@ -135,21 +135,6 @@ __attribute__((target("avx512f,avx512bf16"))) inline void round_row_bf16_avx512(
     _mm512_mask_storeu_epi32(out + c / 2, lanes_inside(bf16_pairs(cols), c / 2), pairs);
   }
 }
-
-// round_to_bf16_in_place, 16 floats at a time: rounded to bf16 and widened back.
-__attribute__((target("avx512f,avx512bf16"))) inline void round_to_bf16_in_place_avx512(
-    float* m, Index rows, Index cols, Index stride) {
-  for (Index i = 0; i < rows; ++i) {
-    float* row = m + i * stride;
-    for (Index c = 0; c < cols; c += 16) {
-      const __mmask16 inside = lanes_inside(cols, c);
-      const auto bits =
-          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(inside, row + c)));
-      _mm512_mask_storeu_ps(
-          row + c, inside, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
-    }
-  }
-}
 #endif
 
 // A [rows, cols] (rows x_stride floats apart) as rows of pairs (see the top), row i at out + i ·
@@ -169,19 +154,6 @@ inline void round_rows_bf16(const float* x, Index rows, Index cols, Index x_stri
     for (Index p = 0; p < bf16_pairs(cols); ++p) {
       out[i * out_stride + p] = bf16_pair(row[2 * p], 2 * p + 1 < cols ? row[2 * p + 1] : 0.0F);
     }
-  }
-}
-
-// m [rows, cols] (rows `stride` floats apart) replaced by the bf16 values the products read (as
-// round_rows_bf16 rounds, denormals flushed where bf16_dot_available()): a training forward's
-// operands kept for its backward, which then differentiates the products the forward computed.
-inline void round_to_bf16_in_place(float* m, Index rows, Index cols, Index stride) {
-#ifdef MHA_PACKED_GEMM_X86
-  if (bf16_dot_available()) return round_to_bf16_in_place_avx512(m, rows, cols, stride);
-#endif
-  for (Index i = 0; i < rows; ++i) {
-    for (float& x : Eigen::Map<RowVector<float>>(m + i * stride, cols))
-      x = from_bf16_bits(to_bf16_bits(x));
   }
 }
 
@@ -297,6 +269,47 @@ void pack_bf16_columns(const Source* m, Index depth, Index cols, Index stride, s
   }
 #endif
   pack_bf16_panels([&](Index j, Index k) { return m[k * stride + j]; }, cols, depth, out);
+}
+
+#ifdef MHA_PACKED_GEMM_X86
+// panels_to_rows, where bf16_dot_available(): 16 × 16 blocks of lanes transposed in registers.
+__attribute__((target("avx512f"))) inline void panels_to_rows_avx512(const std::uint32_t* panels,
+                                                                     Index count, Index pairs,
+                                                                     std::uint32_t* out,
+                                                                     Index out_stride) {
+  constexpr Index kNr = Bf16GemmShape::kNr;
+  for (Index j0 = 0; j0 < count; j0 += kNr) {
+    const std::uint32_t* panel = panels + (j0 / kNr) * pairs * kNr;
+    const Index columns = std::min(kNr, count - j0);
+    for (Index p0 = 0; p0 < pairs; p0 += kNr) {
+      __m512i block[16];
+      MHA_UNROLL
+      for (Index r = 0; r < 16; ++r) {
+        block[r] =
+            p0 + r < pairs ? _mm512_loadu_si512(panel + (p0 + r) * kNr) : _mm512_setzero_si512();
+      }
+      transpose_16x16(block);
+      const __mmask16 inside = lanes_inside(pairs, p0);
+      for (Index j = 0; j < columns; ++j)
+        _mm512_mask_storeu_epi32(out + (j0 + j) * out_stride + p0, inside, block[j]);
+    }
+  }
+}
+#endif
+
+// A = Mᵀ as rows of pairs (row j at out + j · out_stride lanes) for M [depth, count], from M's
+// columns packed as panels (pack_bf16_columns: panel q at panels + q · pairs · 16, lane (p, j) the
+// pair of column 16q + j at depths 2p and 2p + 1): a transposition of 32-bit lanes.
+inline void panels_to_rows(const std::uint32_t* panels, Index count, Index pairs,
+                           std::uint32_t* out, Index out_stride) {
+  constexpr Index kNr = Bf16GemmShape::kNr;
+#ifdef MHA_PACKED_GEMM_X86
+  if (bf16_dot_available()) return panels_to_rows_avx512(panels, count, pairs, out, out_stride);
+#endif
+  for (Index j = 0; j < count; ++j) {
+    const std::uint32_t* panel = panels + (j / kNr) * pairs * kNr + j % kNr;
+    for (Index p = 0; p < pairs; ++p) out[j * out_stride + p] = panel[p * kNr];
+  }
 }
 
 #ifdef MHA_PACKED_GEMM_X86

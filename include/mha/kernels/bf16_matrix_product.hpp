@@ -23,47 +23,6 @@ struct Bf16ProductScratch {
   Bf16Lanes lhs_rows, lhs_panels, rhs_panels;
 };
 
-#ifdef MHA_PACKED_GEMM_X86
-// panels_to_rows, where bf16_dot_available(): 16 × 16 blocks of lanes transposed in registers.
-__attribute__((target("avx512f"))) inline void panels_to_rows_avx512(const std::uint32_t* panels,
-                                                                     Index count, Index pairs,
-                                                                     std::uint32_t* out,
-                                                                     Index out_stride) {
-  constexpr Index kNr = Bf16GemmShape::kNr;
-  for (Index j0 = 0; j0 < count; j0 += kNr) {
-    const std::uint32_t* panel = panels + (j0 / kNr) * pairs * kNr;
-    const Index columns = std::min(kNr, count - j0);
-    for (Index p0 = 0; p0 < pairs; p0 += kNr) {
-      __m512i block[16];
-      MHA_UNROLL
-      for (Index r = 0; r < 16; ++r) {
-        block[r] =
-            p0 + r < pairs ? _mm512_loadu_si512(panel + (p0 + r) * kNr) : _mm512_setzero_si512();
-      }
-      transpose_16x16(block);
-      const __mmask16 inside = lanes_inside(pairs, p0);
-      for (Index j = 0; j < columns; ++j)
-        _mm512_mask_storeu_epi32(out + (j0 + j) * out_stride + p0, inside, block[j]);
-    }
-  }
-}
-#endif
-
-// A = Mᵀ as rows of pairs (row j at out + j · out_stride lanes) for M [depth, count], from M's
-// columns packed as panels (pack_bf16_columns: panel q at panels + q · pairs · 16, lane (p, j) the
-// pair of column 16q + j at depths 2p and 2p + 1): a transposition of 32-bit lanes.
-inline void panels_to_rows(const std::uint32_t* panels, Index count, Index pairs,
-                           std::uint32_t* out, Index out_stride) {
-  constexpr Index kNr = Bf16GemmShape::kNr;
-#ifdef MHA_PACKED_GEMM_X86
-  if (bf16_dot_available()) return panels_to_rows_avx512(panels, count, pairs, out, out_stride);
-#endif
-  for (Index j = 0; j < count; ++j) {
-    const std::uint32_t* panel = panels + (j / kNr) * pairs * kNr + j % kNr;
-    for (Index p = 0; p < pairs; ++p) out[j * out_stride + p] = panel[p * kNr];
-  }
-}
-
 // dst [M, N] = (or +=) op(lhs) · rhs (see the top), in bf16 with fp32 sums; dst, lhs and rhs are
 // row-major blocks. The threads round the operands together (lhs by blocks of rows or columns,
 // rhs by panels), then each computes a range of dst's columns; results do not depend on the

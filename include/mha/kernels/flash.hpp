@@ -87,11 +87,17 @@ FlashPath flash_path(Index head_dim, Index value_dim, Index query_len,
 
 // The backward's tiles: multiplied by the packed GEMM's micro-kernel from panels packed once per
 // head (FlashPath::panels) for float where packed_gemm_available() and without softcap (as the
-// forward), else by tile_product (FlashPath::tiles), which packs both operands of every product.
+// forward); on those cases, its five products in bf16 with fp32 sums (FlashPath::bf16_panels,
+// flash_bf16.hpp) where options.bf16_products asks for them and bf16_dot_available() (training
+// in Precision::bf16 asks where its forward ran the bf16 panels); else by tile_product
+// (FlashPath::tiles), which packs both operands of every product.
 template <class T>
 FlashPath flash_backward_path(const CoreOptions<T>& options) {
   if constexpr (std::is_same_v<T, float>) {
-    if (packed_gemm_available() && options.softcap == T(0)) return FlashPath::panels;
+    if (packed_gemm_available() && options.softcap == T(0)) {
+      return options.bf16_products && bf16_dot_available() ? FlashPath::bf16_panels
+                                                           : FlashPath::panels;
+    }
   }
   return FlashPath::tiles;
 }
@@ -417,7 +423,9 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
       static_cast<double>(key_len) * static_cast<double>(q.cols + v.cols);
   constexpr bool kFloat = std::is_same_v<T, float>;
   [[maybe_unused]] constexpr Index nr = PackedGemmShape::kNr;
-  const bool panels = flash_backward_path(options) == FlashPath::panels;
+  const FlashPath path = flash_backward_path(options);
+  const bool bf16 = path == FlashPath::bf16_panels;
+  const bool panels = path == FlashPath::panels || bf16;
   const Index query_chunk = blocks.query_chunk > 0
                                 ? blocks.query_chunk
                                 : backward_query_chunk<T>(q.cols, v.cols, blocks.query);
@@ -474,8 +482,18 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
                         grad_ld = mine.grad_scores.outerStride();
             float* const edge = packed_gemm_buffers().edge;
             // S (+ masks) = scale q kᵀ; dP = dO vᵀ.
+            [[maybe_unused]] FlashPanels& packed = mine.panels;
             if constexpr (kFloat) {
-              if (panels) {
+              if (bf16) {
+                bf16_rows_of(q_blk.data(), rows, k.cols, q_blk.outerStride(), packed.bf16_queries);
+                bf16_scores(packed, packed.bf16_queries.data(), rows, k_bh, j0, cols, options.scale,
+                            !masked_tile, probs.data(), probs_ld);
+                bf16_rows_of(grad_out_blk.data(), rows, v.cols, grad_out_blk.outerStride(),
+                             packed.bf16_grad_out);
+                bf16_product_transposed(packed.bf16_values_transposed, packed.bf16_block_transposed,
+                                        packed.bf16_grad_out.data(), rows, v_bh, j0, cols, 1.0F,
+                                        true, grad_scores.data(), grad_ld);
+              } else if (panels) {
                 const float* keys = FlashPanels::transposed_block(
                     mine.panels.keys, mine.panels.block_keys, k_bh, j0, cols);
                 multiply_panels(
@@ -513,9 +531,13 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
             }
             const bool dropout = options.dropout.active();
             if constexpr (kFloat) {
-              if (panels) {
-                const float* kept = dropout ? dropped.data() : probs.data();
-                const Index kept_ld = dropout ? mine.acc.outerStride() : probs_ld;
+              const float* kept = dropout ? dropped.data() : probs.data();
+              const Index kept_ld = dropout ? mine.acc.outerStride() : probs_ld;
+              if (bf16) {
+                bf16_accumulate_transposed_product(
+                    kept, kept_ld, rows, cols, packed.bf16_grad_out_rows, packed.bf16_block_rows,
+                    grad_out_bh, i0, 1.0F, packed, grad_v_blk.data(), grad_v_blk.outerStride());
+              } else if (panels) {
                 const float* grad_out_rows = mine.panels.grad_out.rows(grad_out_bh) + i0 * nr;
                 // Pᵀ and dSᵀ: the tile's keys are the product's rows, its queries the depth.
                 // NOLINTNEXTLINE(readability-suspicious-call-argument)
@@ -536,7 +558,16 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
             // dQ += scale dS k; dK += scale dSᵀ q.
             auto grad_q_blk = grad_q_bh.middleRows(i0, rows);
             if constexpr (kFloat) {
-              if (panels) {
+              if (bf16) {
+                bf16_accumulate_product(grad_scores.data(), grad_ld, rows, cols,
+                                        packed.bf16_key_rows, packed.bf16_block_rows, k_bh, j0,
+                                        options.scale, packed.bf16_probabilities, grad_q_blk.data(),
+                                        grad_q_blk.outerStride());
+                bf16_accumulate_transposed_product(grad_scores.data(), grad_ld, rows, cols,
+                                                   packed.bf16_query_rows, packed.bf16_block_rows,
+                                                   q_bh, i0, options.scale, packed,
+                                                   grad_k_blk.data(), grad_k_blk.outerStride());
+              } else if (panels) {
                 const float* key_rows = mine.panels.key_rows.rows(k_bh) + j0 * nr;
                 multiply_panels(rows, k.cols, cols, LeftOperand{grad_scores.data(), grad_ld, false},
                                 key_rows, PanelBuffer::row_panel_stride(k_bh), options.scale, false,

@@ -133,11 +133,14 @@ class Bf16PanelBuffer {
 struct FlashPanels {
   PanelBuffer keys, values, block_keys;
   PanelBuffer values_transposed, key_rows, queries, grad_out, block_values;
-  // Precision::bf16's forward (flash_bf16.hpp): keys transposed and values as rows, each also
-  // packed apart for blocks that do not start at a panel or pair; a query block's rows and a
-  // tile of probabilities as rows of pairs.
-  Bf16PanelBuffer bf16_keys, bf16_values, bf16_block_keys, bf16_block_values;
-  Bf16Lanes bf16_queries, bf16_probabilities;
+  // Precision::bf16's tiles (flash_bf16.hpp), the same matrices packed the same ways as bf16
+  // panels, and one buffer each way for a block packed apart (one that does not start at a
+  // panel or pair of the whole); a block of queries or output gradients, and a tile of
+  // probabilities or score gradients, as rows of pairs; a tile's columns through panels into
+  // rows of pairs (its transpose, for Pᵀ dO and dSᵀ q).
+  Bf16PanelBuffer bf16_keys, bf16_values, bf16_values_transposed, bf16_key_rows, bf16_query_rows,
+      bf16_grad_out_rows, bf16_block_transposed, bf16_block_rows;
+  Bf16Lanes bf16_queries, bf16_grad_out, bf16_probabilities, bf16_tile_panels, bf16_tile_columns;
 
   void forget() {
     for (PanelBuffer* buffer : {&keys, &values, &block_keys, &values_transposed, &key_rows,
@@ -145,7 +148,8 @@ struct FlashPanels {
       buffer->forget();
     }
     for (Bf16PanelBuffer* buffer :
-         {&bf16_keys, &bf16_values, &bf16_block_keys, &bf16_block_values}) {
+         {&bf16_keys, &bf16_values, &bf16_values_transposed, &bf16_key_rows, &bf16_query_rows,
+          &bf16_grad_out_rows, &bf16_block_transposed, &bf16_block_rows}) {
       buffer->forget();
     }
   }

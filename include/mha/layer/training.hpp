@@ -50,7 +50,8 @@ struct SavedState {
   Workspace<T> workspace;       // projections and the heads' outputs, from the forward
   Tensor<T> logsumexp;          // (B, H, L), flash kernel only
   Matrix<T> grad_attended, grad_qkv, grad_q, grad_k, grad_v;
-  ReducedProducts products;  // the arithmetic of the backward's projection products
+  ReducedProducts products;     // the arithmetic of the backward's projection products
+  bool bf16_attention = false;  // the flash kernel's products ran in bf16, forward and backward
 };
 
 }  // namespace detail
@@ -114,27 +115,13 @@ void forward_train(LayerParameters<T>& parameters, const void* layer, Random& dr
               plan.kernel == Kernel::flash ? saved.logsumexp.data() : nullptr, nullptr);
   // Mixed precision: the projections' products in bf16 or fp16 (the forward's by run_forward,
   // the backward's by gradient_product); in bf16, the flash kernel's products too where its bf16
-  // panels ran.
-  // Their backward is fp32 and recomputes the probabilities from q, k and the log-sum-exp: it
-  // reads the bf16 values the forward's products read, so that it recomputes the forward's
-  // scores (to fp32's rounding) and differentiates the products the forward computed.
+  // panels ran, and then its backward's (which recomputes the probabilities from q, k and the
+  // log-sum-exp, rounding q and k as the forward did: it recomputes the forward's scores, to
+  // fp32's rounding, and differentiates the products the forward computed).
   const Index head_dim = parameters.head_dim();
-  if (plan.kernel == Kernel::flash &&
-      flash_path<T>(head_dim, head_dim, plan.query_len, core, {}) == FlashPath::bf16_panels) {
-    if constexpr (std::is_same_v<T, float>) {
-      const auto round = [](Matrix<T>& m) {
-        round_to_bf16_in_place(m.data(), m.rows(), m.cols(), m.cols());
-      };
-      Workspace<T>& kept = saved.workspace;
-      if (plan.fused) {
-        round(kept.qkv);
-      } else {
-        round(kept.q);
-        round(kept.k);
-        round(kept.v);
-      }
-    }
-  }
+  saved.bf16_attention =
+      plan.kernel == Kernel::flash &&
+      flash_path<T>(head_dim, head_dim, plan.query_len, core, {}) == FlashPath::bf16_panels;
   parameters.ensure_gradients();
   saved.plan = plan;
   saved.products.precision = bf16 && bf16_dot_available() ? Precision::bf16
@@ -162,7 +149,9 @@ void backward(LayerParameters<T>& parameters, const void* layer, SavedState<T>& 
   const ForwardPlan& plan = saved.plan;
   check_shape("grad_output", plan.query_shape, grad_output.shape());
   CoreOptions<T> core = core_options(parameters, plan, saved.options);
-  core.bf16_products = false;  // as forward_train's
+  // The flash backward's products in bf16 where the forward's ran in bf16 (on the rounded q, k
+  // and v it kept), else fp32.
+  core.bf16_products = saved.bf16_attention;
   core.dropout = saved.dropout;
   ReducedProducts* const reduced = &saved.products;
   const Index heads = config.num_heads, head_dim = config.head_dim;
