@@ -648,6 +648,12 @@ struct Int8Frozen : mha::FrozenMultiHeadAttention<float> {
 void decode_int8_frozen(benchmark::State& state) {
   decode_step<Int8Frozen>(state, mha::Precision::fp32, 1.0);
 }
+// decode_cache_int8_weights/<format>: decode_cache/'s step through a layer with int8 weights
+// (decode_int8_frozen/'s), as a deployment that quantizes its cache would also run: the weights'
+// bytes, the same for every format, a quarter of decode_cache/'s.
+void decode_cache_int8_weights(benchmark::State& state, mha::KVCacheFormat format) {
+  decode_step<Int8Frozen>(state, mha::Precision::fp32, 1.0, format);
+}
 
 // The attention of one decoding step alone (mha::detail), at sizes whose caches a prompt could not
 // fill in a benchmark's time: B = range(0) sequences of context = range(2) cached tokens, one new
@@ -718,6 +724,63 @@ void decode_attention(benchmark::State& state, DecodeRun run) {
     set_flops(state, wall, 2.0 * static_cast<double>(B * H * context) * static_cast<double>(D + D));
   }
   state.counters["cache_MiB"] = 8.0 * static_cast<double>(B * context * width) / (1024.0 * 1024.0);
+}
+
+// decode_attention/cache_<format>: decode_attention's batched kernel alone over a cache stored
+// as float, q8 or q4 (the same values, quantized in blocks of 32), B = range(0) sequences of
+// context = range(2) tokens, one new query each, H = 16, D = 128, H_kv = range(1): the cache's
+// own gain, without the step's projections (whose weights decode_cache/ reads beside it).
+// GB_per_s counts the cache's stored bytes, each read once.
+template <class Stored>
+void decode_attention_cache(benchmark::State& state) {
+  const mha::Index B = state.range(0), kv_heads = state.range(1), context = state.range(2);
+  const mha::Index H = 16, D = 128, inner = H * D, width = kv_heads * D;
+  constexpr bool kQuantized = mha::detail::is_quantized_block_v<Stored>;
+  const mha::Index row_size = kQuantized ? width / mha::detail::kQuantBlock : width;
+  std::vector<float> floats(static_cast<std::size_t>(width));
+  mha::detail::AlignedBuffer<Stored> keys, values;
+  keys.resize(B * context * row_size, mha::Paging::huge);
+  values.resize(keys.size(), mha::Paging::huge);
+  // decode_attention's arbitrary bounded values, a row at a time.
+  for (int which = 0; which < 2; ++which) {
+    Stored* stored = which == 0 ? keys.data() : values.data();
+    for (mha::Index row = 0; row < B * context; ++row) {
+      for (mha::Index c = 0; c < width; ++c) {
+        const auto u = static_cast<std::uint64_t>(row * width + c);
+        floats[static_cast<std::size_t>(c)] =
+            static_cast<float>(u * (which == 0 ? 2654435761U : 40503U) % 1000) * 1e-3F - 0.5F;
+      }
+      if constexpr (kQuantized) {
+        mha::detail::quantize_rows(floats.data(), 1, width, stored + row * row_size);
+      } else {
+        std::copy(floats.begin(), floats.end(), stored + row * row_size);
+      }
+    }
+  }
+  const auto queries = random_tensor({B, inner}, 1);
+  mha::Tensor<float> out({B, inner});
+  mha::detail::CoreOptions<float> core;
+  core.scale = 1.0F / std::sqrt(static_cast<float>(D));
+  core.causal = mha::Causal::bottom_right;
+  core.causal_cols = context;
+  std::vector<mha::detail::KernelScratch<float>> scratch;
+  mha::detail::DecodeScratch buffers;
+  std::vector<mha::detail::DecodeSequence<Stored>> sequences;
+  for (mha::Index b = 0; b < B; ++b) {
+    sequences.push_back({queries.data() + b * inner, out.data() + b * inner,
+                         keys.data() + b * context * row_size,
+                         values.data() + b * context * row_size, 1, context});
+  }
+  const mha::detail::DecodeShape shape{H, kv_heads, D, D, inner, inner, row_size};
+  const WallClock wall;
+  for (auto _ : state) {
+    mha::detail::decode_attention(sequences, shape, core, scratch, buffers);
+    benchmark::DoNotOptimize(out.data());
+  }
+  const double cache_bytes =
+      2.0 * static_cast<double>(sizeof(Stored)) * static_cast<double>(B * context * row_size);
+  set_bytes_read(state, wall, cache_bytes);
+  state.counters["cache_MiB"] = cache_bytes / (1024.0 * 1024.0);
 }
 
 // The flash backward alone (mha::detail::attention_flash_backward), B = 1, H = 8, D = 64,
@@ -1266,6 +1329,36 @@ BENCHMARK_CAPTURE(decode_cache, q8, mha::KVCacheFormat::q8)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(decode_cache, q4, mha::KVCacheFormat::q4)
     ->Name("decode_cache/q4")
+    ->ArgNames({"B", "H_kv", "context"})
+    ->ArgsProduct({{1, 4}, {16, 4}, {16384}})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(decode_attention_cache, float)
+    ->Name("decode_attention/cache_float")
+    ->ArgNames({"B", "H_kv", "context"})
+    ->ArgsProduct({{1, 4}, {16, 4}, {16384}})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(decode_attention_cache, mha::detail::Q8Block)
+    ->Name("decode_attention/cache_q8")
+    ->ArgNames({"B", "H_kv", "context"})
+    ->ArgsProduct({{1, 4}, {16, 4}, {16384}})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(decode_attention_cache, mha::detail::Q4Block)
+    ->Name("decode_attention/cache_q4")
+    ->ArgNames({"B", "H_kv", "context"})
+    ->ArgsProduct({{1, 4}, {16, 4}, {16384}})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(decode_cache_int8_weights, float, mha::KVCacheFormat::as_layer)
+    ->Name("decode_cache_int8_weights/float")
+    ->ArgNames({"B", "H_kv", "context"})
+    ->ArgsProduct({{1, 4}, {16, 4}, {16384}})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(decode_cache_int8_weights, q8, mha::KVCacheFormat::q8)
+    ->Name("decode_cache_int8_weights/q8")
+    ->ArgNames({"B", "H_kv", "context"})
+    ->ArgsProduct({{1, 4}, {16, 4}, {16384}})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(decode_cache_int8_weights, q4, mha::KVCacheFormat::q4)
+    ->Name("decode_cache_int8_weights/q4")
     ->ArgNames({"B", "H_kv", "context"})
     ->ArgsProduct({{1, 4}, {16, 4}, {16384}})
     ->Unit(benchmark::kMillisecond);

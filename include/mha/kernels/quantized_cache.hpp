@@ -184,13 +184,18 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 load_quantized(c
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)) * broadcast_scale(block.scale);
 }
 
+// A q4 block's sixteen values scale · (code - 8) as a table, looked up by `vpermps`, which reads
+// the low four bits of each lane's index: the codes' bytes zero-extended into the lanes, shifted
+// down by four for the high half. Two operations fewer than widening each code to a float and
+// then scaling it, for the same floats (each product is exact).
 __attribute__((target("avx512f"), always_inline)) inline __m512 load_quantized(const Q4Block* row,
                                                                                Index e) {
   const Q4Block& block = row[e / kQuantBlock];
-  __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block.codes));
-  if (e % kQuantBlock != 0) bytes = _mm_srli_epi16(bytes, 4);
-  const __m128i codes = minus_eight(_mm_and_si128(bytes, _mm_set1_epi8(0x0F)));
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)) * broadcast_scale(block.scale);
+  __m512i lanes =
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block.codes)));
+  if (e % kQuantBlock != 0) lanes = _mm512_srli_epi32(lanes, 4);
+  const __m512 levels = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm512_permutexvar_ps(lanes, levels * broadcast_scale(block.scale));
 }
 
 // How many rows ahead QuantizedRows requests what it loads: one sub-block of the decoding
