@@ -664,6 +664,35 @@ void decode_cache_int8_weights(benchmark::State& state, mha::KVCacheFormat forma
 // ceiling/memory_read's, straight through on all threads): what the kernel's own bytes read at.
 // GB_per_s counts the cache's bytes, each read once; GFLOPS the products (2·(D + Dv) a query
 // head and cached token).
+// The decoding benchmarks' cached values: arbitrary, bounded and fast to write (gigabytes of
+// normal draws would take minutes); element u of the keys (which 0) or values (1).
+float arbitrary_cached(std::uint64_t u, int which) {
+  return static_cast<float>(u * (which == 0 ? 2654435761U : 40503U) % 1000) * 1e-3F - 0.5F;
+}
+
+// The decoding benchmarks' options: D's scale, bottom-right causal masking over `context` keys.
+mha::detail::CoreOptions<float> decode_core(mha::Index head_dim, mha::Index context) {
+  mha::detail::CoreOptions<float> core;
+  core.scale = 1.0F / std::sqrt(static_cast<float>(head_dim));
+  core.causal = mha::Causal::bottom_right;
+  core.causal_cols = context;
+  return core;
+}
+
+// B sequences of one query each (rows of `inner` in queries and out) over `context` cached rows
+// of row_size elements (floats or blocks), sequence b's from row b · context.
+template <class Stored>
+std::vector<mha::detail::DecodeSequence<Stored>> decode_sequences(
+    mha::Index B, mha::Index context, mha::Index inner, mha::Index row_size, const float* queries,
+    float* out, const Stored* keys, const Stored* values) {
+  std::vector<mha::detail::DecodeSequence<Stored>> sequences;
+  for (mha::Index b = 0; b < B; ++b) {
+    sequences.push_back({queries + b * inner, out + b * inner, keys + b * context * row_size,
+                         values + b * context * row_size, 1, context});
+  }
+  return sequences;
+}
+
 enum class DecodeRun { batched, per_sequence, read_only };
 void decode_attention(benchmark::State& state, DecodeRun run) {
   const mha::Index B = state.range(0), kv_heads = state.range(1), context = state.range(2);
@@ -673,26 +702,17 @@ void decode_attention(benchmark::State& state, DecodeRun run) {
   mha::detail::AlignedBuffer<float> keys, values;
   keys.resize(B * context * width, mha::Paging::huge);
   values.resize(keys.size(), mha::Paging::huge);
-  // Arbitrary bounded values, fast to write: gigabytes of normal draws would take minutes.
   for (mha::Index i = 0; i < keys.size(); ++i) {
-    const auto u = static_cast<std::uint64_t>(i);
-    keys.data()[i] = static_cast<float>(u * 2654435761U % 1000) * 1e-3F - 0.5F;
-    values.data()[i] = static_cast<float>(u * 40503U % 1000) * 1e-3F - 0.5F;
+    keys.data()[i] = arbitrary_cached(static_cast<std::uint64_t>(i), 0);
+    values.data()[i] = arbitrary_cached(static_cast<std::uint64_t>(i), 1);
   }
   const auto queries = random_tensor({B, inner}, 1);
   mha::Tensor<float> out({B, inner});
-  mha::detail::CoreOptions<float> core;
-  core.scale = 1.0F / std::sqrt(static_cast<float>(D));
-  core.causal = mha::Causal::bottom_right;
-  core.causal_cols = context;
+  const mha::detail::CoreOptions<float> core = decode_core(D, context);
   std::vector<mha::detail::KernelScratch<float>> scratch;
   mha::detail::DecodeScratch buffers;
-  std::vector<mha::detail::DecodeSequence<float>> sequences;
-  for (mha::Index b = 0; b < B; ++b) {
-    sequences.push_back({queries.data() + b * inner, out.data() + b * inner,
-                         keys.data() + b * context * width, values.data() + b * context * width, 1,
-                         context});
-  }
+  const auto sequences = decode_sequences(B, context, inner, width, queries.data(), out.data(),
+                                          keys.data(), values.data());
   const mha::detail::DecodeShape shape{H, kv_heads, D, D, inner, inner, width};
   std::uint32_t folded = 0;
   const auto fold = [&folded](const float* data, mha::Index size) {
@@ -741,14 +761,13 @@ void decode_attention_cache(benchmark::State& state) {
   mha::detail::AlignedBuffer<Stored> keys, values;
   keys.resize(B * context * row_size, mha::Paging::huge);
   values.resize(keys.size(), mha::Paging::huge);
-  // decode_attention's arbitrary bounded values, a row at a time.
+  // decode_attention's values, a row at a time.
   for (int which = 0; which < 2; ++which) {
     Stored* stored = which == 0 ? keys.data() : values.data();
     for (mha::Index row = 0; row < B * context; ++row) {
       for (mha::Index c = 0; c < width; ++c) {
-        const auto u = static_cast<std::uint64_t>(row * width + c);
         floats[static_cast<std::size_t>(c)] =
-            static_cast<float>(u * (which == 0 ? 2654435761U : 40503U) % 1000) * 1e-3F - 0.5F;
+            arbitrary_cached(static_cast<std::uint64_t>(row * width + c), which);
       }
       if constexpr (kQuantized) {
         mha::detail::quantize_rows(floats.data(), 1, width, stored + row * row_size);
@@ -759,18 +778,11 @@ void decode_attention_cache(benchmark::State& state) {
   }
   const auto queries = random_tensor({B, inner}, 1);
   mha::Tensor<float> out({B, inner});
-  mha::detail::CoreOptions<float> core;
-  core.scale = 1.0F / std::sqrt(static_cast<float>(D));
-  core.causal = mha::Causal::bottom_right;
-  core.causal_cols = context;
+  const mha::detail::CoreOptions<float> core = decode_core(D, context);
   std::vector<mha::detail::KernelScratch<float>> scratch;
   mha::detail::DecodeScratch buffers;
-  std::vector<mha::detail::DecodeSequence<Stored>> sequences;
-  for (mha::Index b = 0; b < B; ++b) {
-    sequences.push_back({queries.data() + b * inner, out.data() + b * inner,
-                         keys.data() + b * context * row_size,
-                         values.data() + b * context * row_size, 1, context});
-  }
+  const auto sequences = decode_sequences(B, context, inner, row_size, queries.data(), out.data(),
+                                          keys.data(), values.data());
   const mha::detail::DecodeShape shape{H, kv_heads, D, D, inner, inner, row_size};
   const WallClock wall;
   for (auto _ : state) {

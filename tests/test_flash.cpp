@@ -358,6 +358,25 @@ void randomise_options(Case& c, mha::Random& random, double window_chance, Index
   }
 }
 
+// A random case of sizes that fill several of the micro-kernel's panels (16 to 200 queries, up
+// to 300 keys, heads of one of head_dims, the values' of another in every third trial) with
+// random options; the caller sets its blocks.
+Case random_panels_case(mha::Random& random, const Index (&head_dims)[3], int trial) {
+  const auto pick = [&](Index low, Index high) {
+    return low + static_cast<Index>(random.uniform() * static_cast<double>(high - low + 1));
+  };
+  Case c{};
+  c.batch = pick(1, 2);
+  c.heads = pick(1, 2);
+  c.query_len = pick(16, 200);
+  c.key_len = pick(1, 300);
+  c.extra_keys = pick(0, 2);
+  c.head_dim = head_dims[pick(0, 2)];
+  c.value_dim = trial % 3 == 0 ? head_dims[pick(0, 2)] : c.head_dim;
+  randomise_options(c, random, 0.3, 150, 0.2);
+  return c;
+}
+
 }  // namespace
 
 TEMPLATE_TEST_CASE("flash equals reference for random options and tiny blocks", "[flash]", float,
@@ -441,23 +460,12 @@ TEST_CASE("the small-head flash kernel equals reference for random options", "[f
 // against the same case in double, with masks, causal masking, windows and patterns.
 TEST_CASE("the flash kernels on packed panels equal the product in double", "[flash][panels]") {
   mha::Random random(8192);
-  const auto pick = [&](Index low, Index high) {
-    return low + static_cast<Index>(random.uniform() * static_cast<double>(high - low + 1));
-  };
   const Index head_dims[] = {20, 32, 64};
   std::vector<mha::detail::KernelScratch<float>> scratch;
   std::vector<mha::detail::KernelScratch<double>> exact_scratch;
   int panel_runs[2] = {}, tile_runs = 0;
   for (int trial = 0; trial < 24; ++trial) {
-    Case c{};
-    c.batch = pick(1, 2);
-    c.heads = pick(1, 2);
-    c.query_len = pick(16, 200);
-    c.key_len = pick(1, 300);
-    c.extra_keys = pick(0, 2);
-    c.head_dim = head_dims[pick(0, 2)];
-    c.value_dim = trial % 3 == 0 ? head_dims[pick(0, 2)] : c.head_dim;
-    randomise_options(c, random, 0.3, 150, 0.2);
+    Case c = random_panels_case(random, head_dims, trial);
     c.query_block = 64;
     c.key_block = 128;
     c.options_allowed = trial % 3 == 2;
@@ -496,15 +504,7 @@ TEST_CASE("the flash kernels in bf16 stay within bf16's rounding of the product 
   std::vector<mha::detail::KernelScratch<double>> exact_scratch;
   int bf16_runs[2] = {};
   for (int trial = 0; trial < 30; ++trial) {
-    Case c{};
-    c.batch = pick(1, 2);
-    c.heads = pick(1, 2);
-    c.query_len = pick(16, 200);
-    c.key_len = pick(1, 300);
-    c.extra_keys = pick(0, 2);
-    c.head_dim = head_dims[pick(0, 2)];
-    c.value_dim = trial % 3 == 0 ? head_dims[pick(0, 2)] : c.head_dim;
-    randomise_options(c, random, 0.3, 150, 0.2);
+    Case c = random_panels_case(random, head_dims, trial);
     c.query_block = trial % 2 == 0 ? 64 : pick(1, 40);
     c.key_block = trial % 3 == 0 ? pick(1, 100) : 128;
     c.options_allowed = trial % 3 == 2;
