@@ -149,8 +149,8 @@ void backward(LayerParameters<T>& parameters, const void* layer, SavedState<T>& 
   const ForwardPlan& plan = saved.plan;
   check_shape("grad_output", plan.query_shape, grad_output.shape());
   CoreOptions<T> core = core_options(parameters, plan, saved.options);
-  // The flash backward's products in bf16 where the forward's ran in bf16 (on the rounded q, k
-  // and v it kept), else fp32.
+  // The flash backward's products in bf16 where the forward's ran in bf16 (q, k and v rounded as
+  // the forward rounded them), else fp32.
   core.bf16_products = saved.bf16_attention;
   core.dropout = saved.dropout;
   ReducedProducts* const reduced = &saved.products;
