@@ -14,6 +14,7 @@
 #include "helpers.hpp"
 #include "mha/kernels/decode.hpp"
 #include "mha/kernels/decode_products.hpp"
+#include "mha/kernels/decode_q4.hpp"
 #include "mha/kernels/quantized_cache.hpp"
 
 #ifdef _OPENMP
@@ -84,6 +85,16 @@ std::vector<DecodeCase> cases() {
       // chunks that end in every tail of key blocks (16, 8, 4, 2, 1).
       {"GQA 16/1 (lanes), D = 128, 1 to 3 queries", 16, 1, 128, {255, 31, 1, 497}, {1, 2, 1, 3}},
       {"GQA 12/1 (lanes, 12 rows), D = 32, ALiBi", 12, 1, 32, {241, 19}, {1, 1}, false, true},
+      // Heads of three blocks and of five (a q4 cache's groups of four blocks, then one).
+      {"GQA 6/2 (groups of 3 rows), D = 96", 6, 2, 96, {250, 33}, {1, 2}},
+      {"one query head per key/value head, D = 160, ALiBi",
+       2,
+       2,
+       160,
+       {260, 5},
+       {1, 1},
+       false,
+       true},
   };
 }
 
@@ -198,6 +209,26 @@ Tensor<T> as_tensor(const std::vector<T>& values) {
 // The bounds of tests/test_flash.cpp's float kernels against double (measured there).
 constexpr mha_test::RoundingTolerance kOutputRounding{1.2e-6, 5e-7};
 
+// The q4 products (decode_q4.hpp) round each weight p · scale of P·V to bfloat16 (8 significant
+// bits: a relative error of at most 2^-8) and sum their scores exactly: against double on the
+// values and queries the codes stand for, each output element within 2^-8 of Σ_j p_j |v_j| / Σ_j
+// p_j (double again, on the values' magnitudes), beside the float kernels' rounding.
+void check_bf16_weights(const DecodeCase& c, const Inputs& dequantized, std::size_t b,
+                        const CoreOptions<double>& options, const Tensor<float>& actual,
+                        const Tensor<double>& exact) {
+  Inputs magnitudes = dequantized;
+  for (float& value : magnitudes.values[b]) value = std::abs(value);
+  const auto weighted = as_tensor(per_sequence<double>(c, magnitudes, b, options));
+  const double rounding = kOutputRounding.max_of_scale * exact.flat().cwiseAbs().maxCoeff();
+  double worst = 0.0;  // the largest error over its bound
+  for (Index i = 0; i < exact.size(); ++i) {
+    const double error = std::abs(static_cast<double>(actual.flat()(i)) - exact.flat()(i));
+    worst = std::max(worst, error / (std::ldexp(weighted.flat()(i), -8) + rounding));
+  }
+  INFO("largest error over its bound: " << worst);
+  CHECK(worst <= 1.0);
+}
+
 }  // namespace
 
 TEST_CASE("the decoding kernel equals the flash kernel one sequence at a time, and double",
@@ -278,7 +309,7 @@ TEMPLATE_TEST_CASE(
     "[decode][quantized]", mha::detail::Q8Block, mha::detail::Q4Block) {
   using Block = TestType;
   std::uint64_t seed = 91;
-  Index quantizable = 0;
+  Index quantizable = 0, q4_products = 0;
   for (const auto& c : cases()) {
     const Index width = c.kv_heads * c.head_dim;
     if (width % mha::detail::kQuantBlock != 0) continue;  // (a quantized cache refuses them)
@@ -294,6 +325,24 @@ TEMPLATE_TEST_CASE(
         for (std::size_t i = 0; i < rows.size(); ++i) {
           rows[i] = mha::detail::dequantized(blocks[i / mha::detail::kQuantBlock],
                                              static_cast<Index>(i) % mha::detail::kQuantBlock);
+        }
+      }
+    }
+    // A q4 cache's products (decode_q4.hpp) round each query row of a head to int8 codes: the
+    // float cache then gets the queries those codes stand for.
+    const bool int8_queries = std::is_same_v<Block, mha::detail::Q4Block> &&
+                              mha::detail::q4_products_available(c.head_dim, c.head_dim);
+    if (int8_queries) {
+      ++q4_products;
+      for (auto& rows : dequantized.queries) {
+        std::vector<std::int8_t> codes(static_cast<std::size_t>(c.head_dim));
+        for (std::size_t head = 0; head < rows.size(); head += codes.size()) {
+          float inverse = 0.0F;
+          const float scale = mha::detail::query_row_scale(&rows[head], c.head_dim, inverse);
+          mha::detail::quantize_query_values(&rows[head], c.head_dim, inverse, codes.data());
+          for (std::size_t d = 0; d < codes.size(); ++d) {
+            rows[head + d] = scale * static_cast<float>(codes[d]);
+          }
         }
       }
     }
@@ -313,6 +362,11 @@ TEMPLATE_TEST_CASE(
       const auto exact =
           as_tensor(per_sequence<double>(c, dequantized, b, options_for<double>(c, slopes_double)));
       const auto actual = as_tensor(quantized[b]), float_cache = as_tensor(wide[b]);
+      if (int8_queries) {
+        check_bf16_weights(c, dequantized, b, options_for<double>(c, slopes_double), actual,
+                           exact);
+        continue;
+      }
       CHECK_ROUNDING(actual, exact, kOutputRounding);
       const double largest = static_cast<double>(float_cache.flat().cwiseAbs().maxCoeff());
       CHECK_TENSORS_CLOSE_TOL(actual, float_cache, 0.0, 1e-6 * largest);
@@ -320,6 +374,10 @@ TEMPLATE_TEST_CASE(
     CHECK(rounded);
   }
   CHECK(quantizable >= 6);
+  // Heads of one to five blocks took the q4 products where this CPU has them.
+  if (std::is_same_v<Block, mha::detail::Q4Block> && mha::detail::q4_products_available(32, 32)) {
+    CHECK(q4_products >= 6);
+  }
 }
 
 #ifdef _OPENMP
@@ -336,6 +394,13 @@ TEST_CASE("the decoding kernel's results do not depend on the number of threads"
     omp_set_num_threads(3);
     const auto three = decode_outputs<float>(c, inputs, options);
     CHECK(one == three);
+    // A q4 cache too (its own products where decode_q4.hpp's run).
+    if (c.kv_heads * c.head_dim % mha::detail::kQuantBlock == 0) {
+      omp_set_num_threads(1);
+      const auto q4_one = decode_outputs<mha::detail::Q4Block>(c, inputs, options);
+      omp_set_num_threads(3);
+      CHECK(q4_one == decode_outputs<mha::detail::Q4Block>(c, inputs, options));
+    }
   }
   omp_set_num_threads(threads_before);
 }

@@ -7,11 +7,14 @@
 // and what a quantized cache cannot hold is refused. (tests/test_decode.cpp checks that the
 // decoding kernel reads the blocks as the float cache their codes stand for.)
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
 
 #include "helpers.hpp"
+#include "mha/kernels/decode_q4.hpp"
 #include "mha/kernels/quantized_cache.hpp"
 
 using mha::Index;
@@ -178,6 +181,91 @@ TEMPLATE_TEST_CASE("decoding through a quantized cache stays within its bound of
     CHECK(q4 <= 1e-1);
     CHECK(q8 < q4);
     CHECK(full <= q8);  // (each format did quantize)
+  }
+}
+
+TEST_CASE("int8 query rows for the q4 products: within half a scale, as laid out, NaN kept",
+          "[quantized]") {
+  // Rows of five blocks (a group of four, then one) of every magnitude, a row of zeros, and rows
+  // holding infinity or NaN.
+  const Index depth = 5 * kQuantBlock;
+  std::vector<std::vector<float>> rows;
+  for (const auto& block : blocks_to_quantize()) {
+    std::vector<float> row;
+    for (Index i = 0; i < depth; ++i) {
+      row.push_back(block[static_cast<std::size_t>((7 * i) % kQuantBlock)] *
+                    (i < kQuantBlock ? 1.0F : 0.5F));
+    }
+    rows.push_back(row);
+  }
+  for (const float bad :
+       {std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
+    rows.emplace_back(depth, 1.0F);
+    rows.back()[100] = bad;
+  }
+  for (const auto& row : rows) {
+    float inverse = 0.0F;
+    const float scale = mha::detail::query_row_scale(row.data(), depth, inverse);
+    std::vector<std::int8_t> codes(static_cast<std::size_t>(depth));
+    mha::detail::quantize_query_values(row.data(), depth, inverse, codes.data());
+    float largest = 0.0F;
+    bool finite = true;
+    for (const float x : row) {
+      largest = std::max(largest, std::abs(x));
+      finite = finite && std::isfinite(x);
+    }
+    INFO("largest " << largest << ", scale " << scale);
+    // (Rows below float's smallest normal magnitude read as zeros.)
+    if (!finite) {
+      CHECK(std::isnan(scale));
+    } else if (largest < std::numeric_limits<float>::min()) {
+      CHECK(scale == 0.0F);
+    } else {
+      CHECK(scale == largest / 127.0F);
+    }
+    for (Index i = 0; i < depth; ++i) {
+      const auto code = codes[static_cast<std::size_t>(i)];
+      CHECK(std::abs(code) <= 127);
+      if (!finite || scale == 0.0F) {
+        CHECK(code == 0);
+      } else {
+        // Within half a scale, but for the float rounding of x · (127 / largest) and of the
+        // scale: a level of up to 127 moved by a few units of its last place (2^-17 each).
+        const double error = std::abs(static_cast<double>(scale) * code - row[i]);
+        CHECK(error <= (0.5 + 1e-4) * scale);
+      }
+    }
+#ifdef MHA_PACKED_GEMM_X86
+    if (mha::detail::q4_products_available(depth, depth)) {
+      // What the q4 products read: per group of four blocks, each block's codes of values 0-15
+      // and then 16-31, -8 times each lane's sum of codes, and after the groups the scale.
+      std::vector<std::int8_t> prepared(
+          static_cast<std::size_t>(mha::detail::q4_query_row_bytes(depth)));
+      mha::detail::prepare_q4_query(row.data(), depth, prepared.data());
+      for (Index block = 0; block < 8; ++block) {
+        const std::int8_t* group = prepared.data() + block / 4 * mha::detail::kQ4QueryGroupBytes;
+        for (Index i = 0; i < kQuantBlock; ++i) {
+          const auto laid_out = group[(i / 16) * 64 + (block % 4) * 16 + i % 16];
+          const Index d = block * kQuantBlock + i;
+          CHECK(laid_out == (d < depth ? codes[static_cast<std::size_t>(d)] : 0));
+        }
+        for (Index lane = 0; lane < 4; ++lane) {
+          std::int32_t start = 0;
+          std::memcpy(&start, group + 128 + 4 * (4 * (block % 4) + lane), sizeof(start));
+          std::int32_t sum = 0;
+          for (const Index half : {0, 16}) {
+            for (Index i = 0; i < 4; ++i) {
+              const Index d = block * kQuantBlock + half + 4 * lane + i;
+              if (d < depth) sum += codes[static_cast<std::size_t>(d)];
+            }
+          }
+          CHECK(start == -8 * sum);
+        }
+      }
+      const float read = mha::detail::q4_query_scale(prepared.data(), depth);
+      CHECK((read == scale || (std::isnan(read) && std::isnan(scale))));
+    }
+#endif
   }
 }
 

@@ -29,6 +29,7 @@
 #include "mha/kernels/common.hpp"
 #include "mha/kernels/convert.hpp"
 #include "mha/kernels/decode_products.hpp"
+#include "mha/kernels/decode_q4.hpp"
 #include "mha/kernels/flash.hpp"
 #include "mha/kernels/quantized_cache.hpp"
 
@@ -149,6 +150,8 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
 #ifdef MHA_PACKED_GEMM_X86
   fused = is_quantized_block_v<Stored> && value_blocks_available(depth, value_dim);
 #endif
+  // A q4 cache, with VNNI and heads of whole blocks: decode_q4.hpp's products (int8 queries).
+  const bool q4 = std::is_same_v<Stored, Q4Block> && q4_products_available(depth, value_dim);
   const DecodePath path = fused ? DecodePath::blocks : decode_path(shape, n);
   const bool lanes = path == DecodePath::lanes, panels = path == DecodePath::panels;
   const bool blocks = path == DecodePath::blocks || lanes;  // P·V by the register blocks
@@ -159,7 +162,7 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
   // takes the chunk's values at once where the cache is float (a 16-bit one is widened a
   // sub-block at a time into the key and value tiles): its sums then stay in registers over all
   // of them.
-  const Index key_sub = blocks ? kDecodeBlocksSubBlock : kDecodeSubBlock;
+  const Index key_sub = q4 ? kQ4SubBlock : blocks ? kDecodeBlocksSubBlock : kDecodeSubBlock;
   const Index value_sub = lanes && std::is_same_v<Stored, float> ? kDecodeChunk : key_sub;
   const Index query_panels = packed_width(group_rows);
   const Index tile_rows = (group_rows + S::kMr - 1) / S::kMr * S::kMr;
@@ -169,7 +172,16 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
     const float* q = seq.queries + (r % n) * shape.query_stride + (r / n) * depth;
     std::copy(q, q + depth, queries.data() + r * depth);
   }
-  if (lanes) {
+  // (q4: each row's int8 codes, q4_query_row_bytes apart, in packed_queries' bytes.)
+  auto* const q4_queries = reinterpret_cast<std::int8_t*>(mine.packed_queries.data());
+  const Index q4_row_bytes = q4_query_row_bytes(depth);
+  if (q4) {
+#ifdef MHA_PACKED_GEMM_X86
+    for (Index r = 0; r < rows; ++r) {
+      prepare_q4_query(queries.data() + r * depth, depth, q4_queries + r * q4_row_bytes);
+    }
+#endif
+  } else if (lanes) {
     for (Index g = 0; g < shape.kv_heads; ++g) {
       prepare_query_lanes(queries.data() + g * group_rows * depth, depth, group_rows, depth,
                           mine.packed_queries.data() + g * query_panels * depth);
@@ -261,6 +273,18 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
   // rows ahead, as the float blocks do, measured no faster here.)
   const auto quantized_scores = [&](Index j0, Index count) {
 #ifdef MHA_PACKED_GEMM_X86
+    if constexpr (std::is_same_v<Stored, Q4Block>) {
+      if (q4) {
+        for (Index g = 0; g < shape.kv_heads; ++g) {
+          const Index r0 = g * group_rows;
+          q4_scaled_dot_rows(q4_queries + r0 * q4_row_bytes, q4_row_bytes, group_rows,
+                             seq.keys + (c0 + j0) * shape.kv_stride + g * depth / kQuantBlock,
+                             shape.kv_stride, count, depth, options.scale, &scores(r0, j0),
+                             scores.outerStride());
+        }
+        return;
+      }
+    }
     if constexpr (is_quantized_block_v<Stored>) {
       for (Index g = 0; g < shape.kv_heads; ++g) {
         const Index r0 = g * group_rows;
@@ -276,6 +300,19 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
   };
   const auto quantized_values = [&](Index j0, Index count) {
 #ifdef MHA_PACKED_GEMM_X86
+    if constexpr (std::is_same_v<Stored, Q4Block>) {
+      if (q4) {
+        for (Index g = 0; g < shape.kv_heads; ++g) {
+          const Index r0 = g * group_rows;
+          q4_value_rows(&scores(r0, j0), scores.outerStride(), group_rows,
+                        seq.values + (c0 + j0) * shape.kv_stride + g * value_dim / kQuantBlock,
+                        shape.kv_stride, count, value_dim, j0 == 0,
+                        reinterpret_cast<std::uint16_t*>(mine.weight_rows.data()),
+                        &mine.acc(r0, 0), mine.acc.outerStride());
+        }
+        return;
+      }
+    }
     if constexpr (is_quantized_block_v<Stored>) {
       for (Index g = 0; g < shape.kv_heads; ++g) {
         const Index r0 = g * group_rows;
@@ -513,7 +550,15 @@ void decode_attention(const std::vector<DecodeSequence<Stored>>& sequences,
     // Each key/value head's queries as panels, its rows' sums padded to whole micro-tiles (in
     // acc), and the transposed scores of a sub-block (in weight_rows).
     const Index group_rows = shape.group() * max_queries;
-    mine.packed_queries.resize(shape.kv_heads * packed_width(group_rows), shape.head_dim);
+    if (std::is_same_v<Stored, Q4Block> &&
+        q4_products_available(shape.head_dim, shape.value_dim)) {
+      // Each row's int8 codes (decode_q4.hpp), and the weights of a sub-block's values.
+      mine.packed_queries.resize(max_rows, q4_query_row_bytes(shape.head_dim) / 4);
+      const auto weights = static_cast<std::size_t>(group_rows * shape.value_dim / 2);
+      if (mine.weight_rows.size() < weights) mine.weight_rows.resize(weights);
+    } else {
+      mine.packed_queries.resize(shape.kv_heads * packed_width(group_rows), shape.head_dim);
+    }
     mine.acc.resize(shape.kv_heads * ((group_rows + PackedGemmShape::kMr - 1) /
                                       PackedGemmShape::kMr * PackedGemmShape::kMr),
                     shape.value_dim);
