@@ -363,8 +363,7 @@ TEMPLATE_TEST_CASE(
           as_tensor(per_sequence<double>(c, dequantized, b, options_for<double>(c, slopes_double)));
       const auto actual = as_tensor(quantized[b]), float_cache = as_tensor(wide[b]);
       if (int8_queries) {
-        check_bf16_weights(c, dequantized, b, options_for<double>(c, slopes_double), actual,
-                           exact);
+        check_bf16_weights(c, dequantized, b, options_for<double>(c, slopes_double), actual, exact);
         continue;
       }
       CHECK_ROUNDING(actual, exact, kOutputRounding);

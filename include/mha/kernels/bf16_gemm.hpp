@@ -20,7 +20,7 @@
 // lane to the sum with the rounding of fp32 arithmetic (denormal inputs and results flushed to
 // zero, whatever MXCSR says: test_bf16_gemm checks it). So an element's error against the exact
 // product of the rounded operands is that of a K-term fp32 sum, and its error against the float
-// operands adds their rounding to bf16 (8 significant bits: a relative 2^-9 per operand).
+// operands adds their rounding to bf16 (8 significant bits: a relative 2^-8 per operand at most).
 #pragma once
 
 #include <algorithm>

@@ -307,8 +307,8 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
           q4_value_rows(&scores(r0, j0), scores.outerStride(), group_rows,
                         seq.values + (c0 + j0) * shape.kv_stride + g * value_dim / kQuantBlock,
                         shape.kv_stride, count, value_dim, j0 == 0,
-                        reinterpret_cast<std::uint16_t*>(mine.weight_rows.data()),
-                        &mine.acc(r0, 0), mine.acc.outerStride());
+                        reinterpret_cast<std::uint16_t*>(mine.weight_rows.data()), &mine.acc(r0, 0),
+                        mine.acc.outerStride());
         }
         return;
       }
@@ -550,8 +550,7 @@ void decode_attention(const std::vector<DecodeSequence<Stored>>& sequences,
     // Each key/value head's queries as panels, its rows' sums padded to whole micro-tiles (in
     // acc), and the transposed scores of a sub-block (in weight_rows).
     const Index group_rows = shape.group() * max_queries;
-    if (std::is_same_v<Stored, Q4Block> &&
-        q4_products_available(shape.head_dim, shape.value_dim)) {
+    if (std::is_same_v<Stored, Q4Block> && q4_products_available(shape.head_dim, shape.value_dim)) {
       // Each row's int8 codes (decode_q4.hpp), and the weights of a sub-block's values.
       mine.packed_queries.resize(max_rows, q4_query_row_bytes(shape.head_dim) / 4);
       const auto weights = static_cast<std::size_t>(group_rows * shape.value_dim / 2);

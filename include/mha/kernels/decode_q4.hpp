@@ -94,7 +94,8 @@ inline void quantize_query_values(const float* q, Index count, float inverse, st
     return;
   }
   for (Index i = 0; i < count; ++i) {
-    codes[i] = static_cast<std::int8_t>(std::clamp(std::nearbyint(q[i] * inverse), -127.0F, 127.0F));
+    codes[i] =
+        static_cast<std::int8_t>(std::clamp(std::nearbyint(q[i] * inverse), -127.0F, 127.0F));
   }
 }
 
@@ -210,9 +211,8 @@ constexpr Index kQ4RowsAhead = kQ4SubBlock;
 __attribute__((target("avx512f"), always_inline)) inline void q4_request_ahead(const Q4Block* row,
                                                                                Index stride,
                                                                                Index blocks) {
-  const std::uintptr_t ahead =
-      reinterpret_cast<std::uintptr_t>(row) +
-      static_cast<std::uintptr_t>(kQ4RowsAhead * stride) * sizeof(Q4Block);
+  const std::uintptr_t ahead = reinterpret_cast<std::uintptr_t>(row) +
+                               static_cast<std::uintptr_t>(kQ4RowsAhead * stride) * sizeof(Q4Block);
   const auto last = static_cast<std::uintptr_t>(blocks) * sizeof(Q4Block) - 1;
   // NOLINTNEXTLINE(performance-no-int-to-ptr): addresses to prefetch, never dereferenced
   _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
@@ -304,7 +304,8 @@ __attribute__((target("avx512f,avx512bf16"))) inline void q4_value_weights(
         _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, offsets, values + b, 1);
     const __m512 scales = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
     for (Index r = 0; r < rows; ++r) {
-      const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(valid, p + r * p_stride) * scales);
+      const __m256bh rounded =
+          _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(valid, p + r * p_stride) * scales);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + (r * blocks + b) * kQ4SubBlock),
                           reinterpret_cast<const __m256i&>(rounded));
     }
@@ -350,8 +351,8 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline)) inline voi
     for (Index b = 0; b < Blocks; ++b) {
       MHA_UNROLL
       for (Index h = 0; h < 2; ++h) {
-        sums[r][b][h] = first ? _mm512_setzero_ps()
-                              : _mm512_loadu_ps(acc + r * acc_stride + 32 * b + 16 * h);
+        sums[r][b][h] =
+            first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + r * acc_stride + 32 * b + 16 * h);
       }
     }
   }
@@ -368,8 +369,8 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline)) inline voi
       const __m512i bytes = _mm512_cvtepu8_epi16(
           _mm256_set_m128i(_mm_unpackhi_epi8(one, two), _mm_unpacklo_epi8(one, two)));
       const auto low = reinterpret_cast<__m512bh>(_mm512_permutexvar_epi16(bytes, levels));
-      const auto high = reinterpret_cast<__m512bh>(
-          _mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), levels));
+      const auto high =
+          reinterpret_cast<__m512bh>(_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), levels));
       MHA_UNROLL
       for (Index r = 0; r < Rows; ++r) {
         std::uint32_t pair = 0;
@@ -404,8 +405,8 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"), noinline)) void q4_value_r
                                  stride, first, acc + b * kQuantBlock, acc_stride);
   }
   for (; b < blocks; ++b) {
-    q4_value_block<Rows, 1>(count, weights + b * kQ4SubBlock, weight_row_stride, values + b,
-                            stride, first, acc + b * kQuantBlock, acc_stride);
+    q4_value_block<Rows, 1>(count, weights + b * kQ4SubBlock, weight_row_stride, values + b, stride,
+                            first, acc + b * kQuantBlock, acc_stride);
   }
 }
 #endif
@@ -432,8 +433,8 @@ inline void q4_scaled_dot_rows(const std::int8_t* q, Index row_bytes, Index rows
     q4_scaled_dot_rows_of<2, 8>(q_left, row_bytes, keys, stride, count, depth, scale, scores_left,
                                 score_stride);
   } else if (rows - r == 1) {
-    q4_scaled_dot_rows_of<1, 16>(q_left, row_bytes, keys, stride, count, depth, scale,
-                                 scores_left, score_stride);
+    q4_scaled_dot_rows_of<1, 16>(q_left, row_bytes, keys, stride, count, depth, scale, scores_left,
+                                 score_stride);
   }
 #else
   arguments_unused(q, row_bytes, rows, keys, stride, count, depth, scale, scores, score_stride);
@@ -446,8 +447,7 @@ inline void q4_scaled_dot_rows(const std::int8_t* q, Index row_bytes, Index rows
 // value blocks, then 3 × 2, 2 × 4 or 1 × 4. Only where q4_products_available().
 inline void q4_value_rows(const float* p, Index p_stride, Index rows, const Q4Block* values,
                           Index stride, Index count, Index value_dim, bool first,
-                          std::uint16_t* weights,
-                          float* acc, Index acc_stride) {
+                          std::uint16_t* weights, float* acc, Index acc_stride) {
 #ifdef MHA_PACKED_GEMM_X86
   const Index blocks = value_dim / kQuantBlock;
   q4_value_weights(p, p_stride, rows, values, stride, count, blocks, weights);
