@@ -344,17 +344,15 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline)) inline voi
     Index stride, bool first, float* acc, Index acc_stride) {
   static_assert(Rows * Blocks <= 8, "a block's sums fill at most 16 registers");
   const __m512i levels = _mm512_load_si512(static_cast<const void*>(kQ4Levels.bf16));
-  __m512 sums[Rows][Blocks][2];
+  // Sum i: row i / (2 · Blocks), columns 16 · (i mod 2 · Blocks) on (two packets a block).
+  constexpr Index kPackets = 2 * Blocks;
+  __m512 sums[Rows * kPackets];
+  const auto sums_at = [&](Index i) {
+    return acc + i / kPackets * acc_stride + 16 * (i % kPackets);
+  };
   MHA_UNROLL
-  for (Index r = 0; r < Rows; ++r) {
-    MHA_UNROLL
-    for (Index b = 0; b < Blocks; ++b) {
-      MHA_UNROLL
-      for (Index h = 0; h < 2; ++h) {
-        sums[r][b][h] =
-            first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + r * acc_stride + 32 * b + 16 * h);
-      }
-    }
+  for (Index i = 0; i < Rows * kPackets; ++i) {
+    sums[i] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums_at(i));
   }
   for (Index j = 0; j < count; j += 2) {
     const Q4Block* row = values + j * stride;
@@ -376,21 +374,15 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline)) inline voi
         std::uint32_t pair = 0;
         std::memcpy(&pair, weights + r * weight_row_stride + b * kQ4SubBlock + j, sizeof(pair));
         const auto weight = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
-        sums[r][b][0] = _mm512_dpbf16_ps(sums[r][b][0], low, weight);
-        sums[r][b][1] = _mm512_dpbf16_ps(sums[r][b][1], high, weight);
+        __m512& low_sum = sums[r * kPackets + 2 * b];
+        __m512& high_sum = sums[r * kPackets + 2 * b + 1];
+        low_sum = _mm512_dpbf16_ps(low_sum, low, weight);
+        high_sum = _mm512_dpbf16_ps(high_sum, high, weight);
       }
     }
   }
   MHA_UNROLL
-  for (Index r = 0; r < Rows; ++r) {
-    MHA_UNROLL
-    for (Index b = 0; b < Blocks; ++b) {
-      MHA_UNROLL
-      for (Index h = 0; h < 2; ++h) {
-        _mm512_storeu_ps(acc + r * acc_stride + 32 * b + 16 * h, sums[r][b][h]);
-      }
-    }
-  }
+  for (Index i = 0; i < Rows * kPackets; ++i) _mm512_storeu_ps(sums_at(i), sums[i]);
 }
 
 // q4_value_block for `Rows` rows across a head of `blocks` blocks: Blocks at a time, then one.
