@@ -180,6 +180,8 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
     for (Index r = 0; r < rows; ++r) {
       prepare_q4_query(queries.data() + r * depth, depth, q4_queries + r * q4_row_bytes);
     }
+#else
+    arguments_unused(q4_queries, q4_row_bytes);  // (q4 is false there)
 #endif
   } else if (lanes) {
     for (Index g = 0; g < shape.kv_heads; ++g) {

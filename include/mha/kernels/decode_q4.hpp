@@ -135,7 +135,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void prepare_q4_qu
   for (Index d = 0; d < depth; d += 16) {
     const __m512 magnitude = _mm512_abs_ps(_mm512_loadu_ps(q + d));
     finite &= _mm512_cmp_ps_mask(magnitude, infinity, _CMP_LT_OQ);
-    largest = _mm512_max_ps(largest, magnitude);
+    largest =
+        _mm512_mask_mov_ps(largest, _mm512_cmp_ps_mask(magnitude, largest, _CMP_GT_OQ), magnitude);
   }
   const float row_largest = _mm512_reduce_max_ps(largest);
   const bool usable = finite == 0xFFFF && row_largest >= std::numeric_limits<float>::min();
@@ -144,7 +145,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void prepare_q4_qu
                                        : 0.0F;
   const __m512 inverse = _mm512_set1_ps(usable ? 127.0F / row_largest : 0.0F);
   const Index blocks = depth / kQuantBlock;
-  const __m512i eights = _mm512_set1_epi8(8);
+  const __m512i ones = _mm512_set1_epi8(1);
   for (Index group = 0; group < q4_groups(depth); ++group) {
     std::int8_t* group_out = out + group * kQ4QueryGroupBytes;
     for (Index k = 0; k < kQ4BlocksPerGroup; ++k) {
@@ -161,8 +162,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void prepare_q4_qu
     const __m512i low = _mm512_loadu_si512(group_out);
     const __m512i high = _mm512_loadu_si512(group_out + 64);
     const __m512i sums =
-        _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), eights, low), eights, high);
-    _mm512_storeu_si512(group_out + 128, _mm512_sub_epi32(_mm512_setzero_si512(), sums));
+        _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, low), ones, high);
+    _mm512_storeu_si512(group_out + 128, _mm512_mullo_epi32(sums, _mm512_set1_epi32(-8)));
   }
   std::copy_n(reinterpret_cast<const std::int8_t*>(&scale), sizeof(scale),
               out + q4_groups(depth) * kQ4QueryGroupBytes);
@@ -435,7 +436,7 @@ inline void q4_scaled_dot_rows(const std::int8_t* q, Index row_bytes, Index rows
 
 // acc[r · acc_stride + c] = (first ? 0 : acc) + Σ_j p[r · p_stride + j] · values_j[c] for r <
 // rows, c < value_dim, j < count (at most kQ4SubBlock): the value rows' first blocks of the head
-// `stride` blocks apart; `weights`, room for rows · value_dim / 2 floats. Blocks of 4 rows × 2
+// `stride` blocks apart; `weights`, room for rows · value_dim / 2 bfloat16. Blocks of 4 rows × 2
 // value blocks, then 3 × 2, 2 × 4 or 1 × 4. Only where q4_products_available().
 inline void q4_value_rows(const float* p, Index p_stride, Index rows, const Q4Block* values,
                           Index stride, Index count, Index value_dim, bool first,
