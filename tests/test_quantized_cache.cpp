@@ -231,7 +231,8 @@ TEST_CASE("int8 query rows for the q4 products: within half a scale, as laid out
       } else {
         // Within half a scale, but for the float rounding of x · (127 / largest) and of the
         // scale: a level of up to 127 moved by a few units of its last place (2^-17 each).
-        const double error = std::abs(static_cast<double>(scale) * code - row[i]);
+        const double error =
+            std::abs(static_cast<double>(scale) * code - row[static_cast<std::size_t>(i)]);
         CHECK(error <= (0.5 + 1e-4) * scale);
       }
     }

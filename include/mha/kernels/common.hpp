@@ -462,14 +462,17 @@ struct KernelScratch {
   Vector<T> row_dot;
   Matrix<T> capped;   // softcap's capped scores, as add_scores leaves them
   Matrix<T> queries;  // the small-head flash kernel's scaled query block; a decoding task's queries
-  Matrix<T> packed_queries;  // a decoding task's queries as the packed GEMM's panels
+  // A decoding task's queries as the packed GEMM's panels, or as a q4 cache's products read
+  // them (decode_q4.hpp: int8 codes, in its bytes).
+  Matrix<T> packed_queries;
   // Talking heads (kernels/talking_heads.hpp) mixes across heads, so it keeps all H heads of one
   // query block at once: logits, probabilities and mixed weights, each [H * rows, S'] (head h's
   // [rows, S'] block at rows h * rows).
   Matrix<T> head_logits, head_probs, head_weights;
   // 16-bit storage (see compute_t): a block of cached keys and values, converted to T where the
   // products read them; and converted weight rows (gemm.hpp's product_transposed), a plain
-  // vector that only grows, since one forward converts weights of several shapes.
+  // vector that only grows, since one forward converts weights of several shapes (a decoding
+  // task also keeps its transposed scores there, or a q4 cache's bf16 weights of P·V).
   Matrix<T> key_tile, value_tile;
   std::vector<T> weight_rows;
   // The float flash kernel's operands packed for the library's own GEMM (flash_panels.hpp).

@@ -72,7 +72,7 @@ inline Index q4_query_row_bytes(Index depth) {
 // before rounding, 127 / max |q|. A row holding infinity or NaN has scale NaN; a row of zeros,
 // or whose largest magnitude is below float's smallest normal number (where 127 / max |q| may
 // overflow), scale 0; both inverse 0, so that their codes are 0. (Such a row's scores would be
-// within 1e-36 of 0 times the keys' magnitudes.)
+// below that smallest normal number times D times the keys' largest magnitude.)
 inline float query_row_scale(const float* q, Index depth, float& inverse) {
   float largest = 0.0F;
   bool finite = true;
@@ -87,7 +87,7 @@ inline float query_row_scale(const float* q, Index depth, float& inverse) {
 }
 
 // codes[i] = q[i] · inverse rounded to nearest (ties to even), for i < count; all 0 where
-// inverse is 0 (a row of zeros, or holding infinity or NaN).
+// inverse is 0 (see query_row_scale).
 inline void quantize_query_values(const float* q, Index count, float inverse, std::int8_t* codes) {
   if (inverse == 0.0F) {
     std::fill(codes, codes + count, std::int8_t{0});
