@@ -4,8 +4,9 @@
 // inputs: sequences of different lengths over several chunks, grouped-query attention on each of
 // its paths (AVX-512 register blocks of every row count, the rows as lanes, the packed
 // micro-kernel, dot products; the products of the first two also alone against double), a few
-// queries per sequence, windows, ALiBi and softcap, keys and values stored in float, half or
-// bfloat16; and the same results on any number of threads.
+// queries per sequence, windows, ALiBi and softcap, keys and values stored in float, half,
+// bfloat16 or q8 and q4 blocks (a q4 cache's own products, int8 queries and bf16 weights, against
+// double within their bound); and the same results on any number of threads.
 #include <cmath>
 #include <string>
 #include <type_traits>
