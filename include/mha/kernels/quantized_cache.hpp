@@ -135,7 +135,7 @@ void quantize_rows(const float* src, Index rows, Index width, Block* dst) {
 #ifdef MHA_PACKED_GEMM_X86
 // Sixteen 4-bit codes (bytes 0 to 15) as the signed values they stand for, code - 8: a table
 // lookup by pshufb.
-__attribute__((target("avx512f"), always_inline)) inline __m128i minus_eight(__m128i codes) {
+__attribute__((target("ssse3"), always_inline)) inline __m128i minus_eight(__m128i codes) {
   const __m128i table = _mm_setr_epi8(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
   return _mm_shuffle_epi8(table, codes);
 }
@@ -162,6 +162,37 @@ __attribute__((target("avx512f"), always_inline)) inline void dequantize_block_a
   const __m128i high = minus_eight(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
   _mm512_storeu_ps(out, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(low)) * scale);
   _mm512_storeu_ps(out + 16, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(high)) * scale);
+}
+
+// dequantize_block_avx512's floats by 8-lane conversions, for CPUs with AVX2 but not AVX-512.
+__attribute__((target("avx2"), always_inline)) inline void dequantize_block_avx2(
+    const Q8Block& block, float* out) {
+  const __m256 scale = _mm256_set1_ps(bf16_bits_to_float(block.scale));
+  MHA_UNROLL
+  for (Index eighth = 0; eighth < 4; ++eighth) {
+    const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block.codes + 8 * eighth));
+    _mm256_storeu_ps(out + 8 * eighth,
+                     _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)), scale));
+  }
+}
+
+__attribute__((target("avx2"), always_inline)) inline void dequantize_block_avx2(
+    const Q4Block& block, float* out) {
+  const __m256 scale = _mm256_set1_ps(bf16_bits_to_float(block.scale));
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block.codes));
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  // (As dequantize_block_avx512: code - 8 before the product.)
+  const __m128i halves[2] = {minus_eight(_mm_and_si128(bytes, nibble)),
+                             minus_eight(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble))};
+  MHA_UNROLL
+  for (Index half = 0; half < 2; ++half) {
+    const __m128i levels = halves[half];
+    _mm256_storeu_ps(out + 16 * half,
+                     _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(levels)), scale));
+    _mm256_storeu_ps(
+        out + 16 * half + 8,
+        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(levels, 8))), scale));
+  }
 }
 
 // A block's bfloat16 scale as 16 floats: the 32 bits from the scale's address (the scale, then
@@ -241,6 +272,18 @@ __attribute__((target("avx512f"))) void dequantize_rows_avx512(const Block* src,
     }
   }
 }
+
+template <class Block>
+__attribute__((target("avx2"))) void dequantize_rows_avx2(const Block* src, Index rows, Index width,
+                                                          Index stride, float* dst,
+                                                          Index dst_stride) {
+  const Index blocks = width / kQuantBlock;
+  for (Index r = 0; r < rows; ++r) {
+    for (Index i = 0; i < blocks; ++i) {
+      dequantize_block_avx2(src[r * stride + i], dst + r * dst_stride + i * kQuantBlock);
+    }
+  }
+}
 #endif
 
 // rows × width values of quantized rows `stride` blocks apart into the first rows of `dst` (a
@@ -251,6 +294,10 @@ void dequantize_rows(const Block* src, Index rows, Index width, Index stride, Ma
 #ifdef MHA_PACKED_GEMM_X86
   if (cpu_has_avx512f()) {
     dequantize_rows_avx512(src, rows, width, stride, dst.data(), dst_stride);
+    return;
+  }
+  if (cpu_has_avx2_fma()) {
+    dequantize_rows_avx2(src, rows, width, stride, dst.data(), dst_stride);
     return;
   }
 #endif
