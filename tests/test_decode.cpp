@@ -310,7 +310,7 @@ TEMPLATE_TEST_CASE(
     "[decode][quantized]", mha::detail::Q8Block, mha::detail::Q4Block) {
   using Block = TestType;
   std::uint64_t seed = 91;
-  Index quantizable = 0, q4_products = 0;
+  Index quantizable = 0, q4_products = 0, avx2_blocks = 0;
   for (const auto& c : cases()) {
     const Index width = c.kv_heads * c.head_dim;
     if (width % mha::detail::kQuantBlock != 0) continue;  // (a quantized cache refuses them)
@@ -329,10 +329,12 @@ TEMPLATE_TEST_CASE(
         }
       }
     }
-    // A q4 cache's products (decode_q4.hpp) round each query row of a head to int8 codes: the
-    // float cache then gets the queries those codes stand for.
+    // A q4 cache's products (decode_q4.hpp with AVX-512, decode_quantized_avx2.hpp with AVX2)
+    // round each query row of a head to int8 codes: the float cache then gets the queries those
+    // codes stand for.
     const bool int8_queries = std::is_same_v<Block, mha::detail::Q4Block> &&
-                              mha::detail::q4_products_available(c.head_dim, c.head_dim);
+                              mha::detail::q4_queries_rounded(c.head_dim, c.head_dim);
+    if (mha::detail::quantized_blocks_avx2_available(c.head_dim, c.head_dim)) ++avx2_blocks;
     if (int8_queries) {
       ++q4_products;
       for (auto& rows : dequantized.queries) {
@@ -374,10 +376,11 @@ TEMPLATE_TEST_CASE(
     CHECK(rounded);
   }
   CHECK(quantizable >= 6);
-  // Heads of one to five blocks took the q4 products where this CPU has them.
-  if (std::is_same_v<Block, mha::detail::Q4Block> && mha::detail::q4_products_available(32, 32)) {
+  // Heads of one to five blocks took the q4 products, or the AVX2 blocks, where this CPU has them.
+  if (std::is_same_v<Block, mha::detail::Q4Block> && mha::detail::q4_queries_rounded(32, 32)) {
     CHECK(q4_products >= 6);
   }
+  if (mha::detail::quantized_blocks_avx2_available(32, 32)) CHECK(avx2_blocks >= 6);
 }
 
 #ifdef _OPENMP

@@ -30,6 +30,7 @@
 #include "mha/kernels/convert.hpp"
 #include "mha/kernels/decode_products.hpp"
 #include "mha/kernels/decode_q4.hpp"
+#include "mha/kernels/decode_quantized_avx2.hpp"
 #include "mha/kernels/flash.hpp"
 #include "mha/kernels/quantized_cache.hpp"
 
@@ -150,6 +151,12 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
 #ifdef MHA_PACKED_GEMM_X86
   fused = is_quantized_block_v<Stored> && value_blocks_available(depth, value_dim);
 #endif
+  // With AVX2 but not AVX-512: decode_quantized_avx2.hpp's register blocks.
+  const bool fused_avx2 =
+      is_quantized_block_v<Stored> && quantized_blocks_avx2_available(depth, value_dim);
+  fused = fused || fused_avx2;
+  // ... and over a q4 cache, int8 queries (q4_dot_rows_avx2).
+  const bool q4_avx2 = std::is_same_v<Stored, Q4Block> && fused_avx2;
   // A q4 cache, with VNNI and heads of whole blocks: decode_q4.hpp's products (int8 queries).
   const bool q4 = std::is_same_v<Stored, Q4Block> && q4_products_available(depth, value_dim);
   const DecodePath path = fused ? DecodePath::blocks : decode_path(shape, n);
@@ -175,6 +182,7 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
   // (q4: each row's int8 codes, q4_query_row_bytes apart, in packed_queries' bytes.)
   auto* const q4_queries = reinterpret_cast<std::int8_t*>(mine.packed_queries.data());
   const Index q4_row_bytes = q4_query_row_bytes(depth);
+  const Index q4_row_bytes_avx2 = q4_query_row_bytes_avx2(depth);
   if (q4) {
 #ifdef MHA_PACKED_GEMM_X86
     for (Index r = 0; r < rows; ++r) {
@@ -183,6 +191,10 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
 #else
     arguments_unused(q4_queries, q4_row_bytes);  // (q4 is false there)
 #endif
+  } else if (q4_avx2) {
+    for (Index r = 0; r < rows; ++r) {
+      prepare_q4_query_avx2(queries.data() + r * depth, depth, q4_queries + r * q4_row_bytes_avx2);
+    }
   } else if (lanes) {
     for (Index g = 0; g < shape.kv_heads; ++g) {
       prepare_query_lanes(queries.data() + g * group_rows * depth, depth, group_rows, depth,
@@ -290,6 +302,22 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
     if constexpr (is_quantized_block_v<Stored>) {
       for (Index g = 0; g < shape.kv_heads; ++g) {
         const Index r0 = g * group_rows;
+        if (q4_avx2) {
+          if constexpr (std::is_same_v<Stored, Q4Block>) {
+            q4_dot_rows_avx2(q4_queries + r0 * q4_row_bytes_avx2, q4_row_bytes_avx2, group_rows,
+                             seq.keys + (c0 + j0) * shape.kv_stride + g * depth / kQuantBlock,
+                             shape.kv_stride, count, depth, options.scale, &scores(r0, j0),
+                             scores.outerStride());
+          }
+          continue;
+        }
+        if (fused_avx2) {
+          quantized_dot_rows_avx2(queries.data() + r0 * depth, group_rows,
+                                  seq.keys + (c0 + j0) * shape.kv_stride, shape.kv_stride,
+                                  g * depth, count, depth, options.scale, &scores(r0, j0),
+                                  scores.outerStride());
+          continue;
+        }
         scaled_dot_row_blocks(mine.packed_queries.data() + r0 * depth, group_rows,
                               QuantizedRows<Stored>{seq.keys + (c0 + j0) * shape.kv_stride,
                                                     shape.kv_stride, g * depth},
@@ -318,6 +346,13 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
     if constexpr (is_quantized_block_v<Stored>) {
       for (Index g = 0; g < shape.kv_heads; ++g) {
         const Index r0 = g * group_rows;
+        if (fused_avx2) {
+          quantized_value_rows_avx2(&scores(r0, j0), scores.outerStride(), group_rows,
+                                    seq.values + (c0 + j0) * shape.kv_stride, shape.kv_stride,
+                                    g * value_dim, count, value_dim, j0 == 0, &mine.acc(r0, 0),
+                                    mine.acc.outerStride());
+          continue;
+        }
         value_row_blocks(&scores(r0, j0), scores.outerStride(), group_rows,
                          QuantizedRows<Stored>{seq.values + (c0 + j0) * shape.kv_stride,
                                                shape.kv_stride, g * value_dim},
@@ -558,6 +593,7 @@ void decode_attention(const std::vector<DecodeSequence<Stored>>& sequences,
       const auto weights = static_cast<std::size_t>(group_rows * shape.value_dim / 2);
       if (mine.weight_rows.size() < weights) mine.weight_rows.resize(weights);
     } else {
+      // (Which also holds each row's q4_query_row_bytes_avx2: at most 4 · D bytes, D >= 32.)
       mine.packed_queries.resize(shape.kv_heads * packed_width(group_rows), shape.head_dim);
     }
     mine.acc.resize(shape.kv_heads * ((group_rows + PackedGemmShape::kMr - 1) /
