@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "mha/kernels/decode_q4.hpp"
 #include "mha/kernels/quantized_cache.hpp"
@@ -39,6 +40,31 @@ inline bool q4_queries_rounded(Index depth, Index value_dim) {
          quantized_blocks_avx2_available(depth, value_dim);
 }
 
+// Bytes of one query row as q4_dot_block_avx2 reads it: per block, its 32 int8 codes, then each
+// int32 lane's starting value -8 Σ q_i over the four codes it multiplies, as a float (32 bytes);
+// after the blocks, the row's scale (padded to 32 bytes).
+inline Index q4_query_row_bytes_avx2(Index depth) {
+  return depth / kQuantBlock * 64 + 32;
+}
+
+// Query row q [depth] rounded to int8 (query_row_scale, quantize_query_values: the rounding of
+// decode_q4.hpp's products) into `out`, q4_query_row_bytes_avx2(depth) bytes.
+inline void prepare_q4_query_avx2(const float* q, Index depth, std::int8_t* out) {
+  float inverse = 0.0F;
+  const float scale = query_row_scale(q, depth, inverse);
+  for (Index b = 0; b < depth / kQuantBlock; ++b) {
+    std::int8_t* codes = out + 64 * b;
+    quantize_query_values(q + b * kQuantBlock, kQuantBlock, inverse, codes);
+    for (Index lane = 0; lane < 8; ++lane) {
+      std::int32_t start = 0;
+      for (Index i = 0; i < 4; ++i) start -= 8 * codes[4 * lane + i];
+      const auto exact = static_cast<float>(start);  // (|start| <= 4064)
+      std::memcpy(codes + 32 + 4 * lane, &exact, sizeof(exact));
+    }
+  }
+  std::memcpy(out + depth / kQuantBlock * 64, &scale, sizeof(scale));
+}
+
 #ifdef MHA_PACKED_GEMM_X86
 // Rows ahead that the blocks below request what they load (QuantizedRows' kQuantizedRowsAhead:
 // one sub-block of the decoding kernel's register blocks).
@@ -50,48 +76,12 @@ __attribute__((target("avx2"), always_inline)) inline void quantized_request_ahe
   _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
 }
 
-// A block's bfloat16 scale as 8 floats (broadcast_scale's 8-lane form).
-__attribute__((target("avx2"), always_inline)) inline __m256 broadcast_scale_avx2(
-    const std::uint16_t& scale) {
-  const __m256i words = _mm256_broadcastd_epi32(_mm_loadu_si32(&scale));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
-}
-
-// A quantized block's 32 values, widened in registers: 4 packets of 8.
-__attribute__((target("avx2"), always_inline)) inline void widen_block_avx2(const Q8Block& block,
-                                                                            __m256 (&out)[4]) {
-  const __m256 scale = broadcast_scale_avx2(block.scale);
-  MHA_UNROLL
-  for (Index i = 0; i < 4; ++i) {
-    const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block.codes + 8 * i));
-    out[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)), scale);
-  }
-}
-
-__attribute__((target("avx2"), always_inline)) inline void widen_block_avx2(const Q4Block& block,
-                                                                            __m256 (&out)[4]) {
-  const __m256 scale = broadcast_scale_avx2(block.scale);
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block.codes));
-  const __m128i nibble = _mm_set1_epi8(0x0F);
-  // code - 8 in bytes before the product, as dequantized(): code · scale may overflow where the
-  // value does not. Values 0-15 in the bytes' low nibbles, 16-31 in their high ones.
-  const __m128i low = minus_eight(_mm_and_si128(bytes, nibble));
-  const __m128i high = minus_eight(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
-  const __m128i levels[4] = {low, _mm_unpackhi_epi64(low, low), high,
-                             _mm_unpackhi_epi64(high, high)};
-  MHA_UNROLL
-  for (Index i = 0; i < 4; ++i) {
-    out[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(levels[i])), scale);
-  }
-}
-
 // The sums across lanes of eight packets, in one: lane i holds the sum of v[i].
 __attribute__((target("avx2"), always_inline)) inline __m256 reduce_eight(const __m256 (&v)[8]) {
   const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
   const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
   // Lane i of `low` (i < 4) holds part of v[i]'s sum, lane 4 + i the rest; so for `high`.
-  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20),
-                       _mm256_permute2f128_ps(low, high, 0x31));
+  return _mm256_permute2f128_ps(low, high, 0x20) + _mm256_permute2f128_ps(low, high, 0x31);
 }
 
 // out[r · out_stride + j] = scale · q_r · key_j for r < Rows, j < valid (at most Keys): q's rows
@@ -129,7 +119,7 @@ __attribute__((target("avx2,fma"), always_inline)) inline void quantized_dot_blo
     }
   }
   alignas(32) float result[8];
-  _mm256_store_ps(result, _mm256_mul_ps(_mm256_set1_ps(scale), reduce_eight(sums)));
+  _mm256_store_ps(result, _mm256_set1_ps(scale) * reduce_eight(sums));
   for (Index r = 0; r < Rows; ++r) {
     for (Index j = 0; j < std::min(Keys, valid); ++j)
       out[r * out_stride + j] = result[r * Keys + j];
@@ -147,37 +137,13 @@ __attribute__((target("avx2,fma"), noinline)) void quantized_dot_rows_of_avx2(
   }
 }
 
-// Bytes of one query row as q4_dot_block_avx2 reads it: per block, its 32 int8 codes, then each
-// int32 lane's starting value -8 Σ q_i over the four codes it multiplies (32 bytes); after the
-// blocks, the row's scale (padded to 32 bytes).
-inline Index q4_query_row_bytes_avx2(Index depth) {
-  return depth / kQuantBlock * 64 + 32;
-}
-
-// Query row q [depth] rounded to int8 (query_row_scale, quantize_query_values: the rounding of
-// decode_q4.hpp's products) into `out`, q4_query_row_bytes_avx2(depth) bytes.
-inline void prepare_q4_query_avx2(const float* q, Index depth, std::int8_t* out) {
-  float inverse = 0.0F;
-  const float scale = query_row_scale(q, depth, inverse);
-  for (Index b = 0; b < depth / kQuantBlock; ++b) {
-    std::int8_t* codes = out + 64 * b;
-    quantize_query_values(q + b * kQuantBlock, kQuantBlock, inverse, codes);
-    for (Index lane = 0; lane < 8; ++lane) {
-      std::int32_t start = 0;
-      for (Index i = 0; i < 4; ++i) start -= 8 * codes[4 * lane + i];
-      std::memcpy(codes + 32 + 4 * lane, &start, sizeof(start));
-    }
-  }
-  std::memcpy(out + depth / kQuantBlock * 64, &scale, sizeof(scale));
-}
-
 // out[r · out_stride + j] = q_r · key_j · factors lane r · Keys + j, for r < Rows and j < valid (at
 // most Keys): q as prepare_q4_query_avx2 left each row (row_bytes apart), the keys' blocks from
 // block `first_block` of rows `stride` blocks apart. Per block, `vpmaddubsw` multiplies the
 // stored nibbles (unsigned, values 0-15 of the block in the low half of a register, 16-31 in the
 // high) by the query's codes, `vpmaddwd` sums pairs of those into int32 lanes (exact: at most 4 ·
-// 15 · 127), and the lanes' starting values take the offset of 8 out; then each (row, key) sums
-// the lanes times the key block's scale in its own register, across lanes once.
+// 15 · 127), and the lanes' starting values take the offset of 8 out (in float, exactly); then each
+// (row, key) sums the lanes times the key block's scale in its own register, across lanes once.
 template <Index Rows, Index Keys>
 __attribute__((target("avx2,fma"), always_inline)) inline void q4_dot_block_avx2(
     Index blocks, const std::int8_t* q, Index row_bytes, const Q4Block* keys, Index stride,
@@ -206,16 +172,15 @@ __attribute__((target("avx2,fma"), always_inline)) inline void q4_dot_block_avx2
         const std::int8_t* row = q + r * row_bytes + 64 * b;
         const __m256i products =
             _mm256_maddubs_epi16(codes, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
-        const __m256i dots =
-            _mm256_add_epi32(_mm256_madd_epi16(products, pairs),
-                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32)));
+        const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(products, pairs)) +
+                            _mm256_loadu_ps(reinterpret_cast<const float*>(row + 32));
         __m256& sum = sums[r * Keys + j];
-        sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), scale, sum);
+        sum = _mm256_fmadd_ps(dots, scale, sum);
       }
     }
   }
   alignas(32) float result[8];
-  _mm256_store_ps(result, _mm256_mul_ps(factors, reduce_eight(sums)));
+  _mm256_store_ps(result, factors * reduce_eight(sums));
   for (Index r = 0; r < Rows; ++r) {
     for (Index j = 0; j < std::min(Keys, valid); ++j)
       out[r * out_stride + j] = result[r * Keys + j];
@@ -300,6 +265,18 @@ inline void quantized_value_columns_avx2(const float* p, Index p_stride, const B
                                         acc + c, acc_stride);
   }
 }
+
+// call(Rows, Keys, r) for the score blocks that cover `rows` rows, Rows and Keys as
+// std::integral_constant: 4 rows × 2 keys, then 2 × 4 and 1 × 8 (8 sums each).
+template <class Call>
+void for_score_blocks_avx2(Index rows, Call&& call) {
+  Index r = 0;
+  for (; r + 4 <= rows; r += 4)
+    call(std::integral_constant<Index, 4>{}, std::integral_constant<Index, 2>{}, r);
+  for (; r + 2 <= rows; r += 2)
+    call(std::integral_constant<Index, 2>{}, std::integral_constant<Index, 4>{}, r);
+  if (r < rows) call(std::integral_constant<Index, 1>{}, std::integral_constant<Index, 8>{}, r);
+}
 #endif
 
 // scores[r · score_stride + j] = scale · q_r · key_j for r < rows, j < count: q's rows `depth`
@@ -310,19 +287,11 @@ void quantized_dot_rows_avx2(const float* q, Index rows, const Block* keys, Inde
                              Index column, Index count, Index depth, float scale, float* scores,
                              Index score_stride) {
 #ifdef MHA_PACKED_GEMM_X86
-  Index r = 0;
-  for (; r + 4 <= rows; r += 4) {
-    quantized_dot_rows_of_avx2<4, 2>(q + r * depth, keys, stride, column, count, depth, scale,
-                                     scores + r * score_stride, score_stride);
-  }
-  for (; r + 2 <= rows; r += 2) {
-    quantized_dot_rows_of_avx2<2, 4>(q + r * depth, keys, stride, column, count, depth, scale,
-                                     scores + r * score_stride, score_stride);
-  }
-  if (r < rows) {
-    quantized_dot_rows_of_avx2<1, 8>(q + r * depth, keys, stride, column, count, depth, scale,
-                                     scores + r * score_stride, score_stride);
-  }
+  for_score_blocks_avx2(rows, [&](auto block_rows, auto keys_a_block, Index r) {
+    quantized_dot_rows_of_avx2<block_rows, keys_a_block>(q + r * depth, keys, stride, column, count,
+                                                         depth, scale, scores + r * score_stride,
+                                                         score_stride);
+  });
 #else
   arguments_unused(q, rows, keys, stride, column, count, depth, scale, scores, score_stride);
 #endif
@@ -336,19 +305,11 @@ inline void q4_dot_rows_avx2(const std::int8_t* q, Index row_bytes, Index rows, 
                              Index stride, Index count, Index depth, float scale, float* scores,
                              Index score_stride) {
 #ifdef MHA_PACKED_GEMM_X86
-  Index r = 0;
-  for (; r + 4 <= rows; r += 4) {
-    q4_dot_rows_of_avx2<4, 2>(q + r * row_bytes, row_bytes, keys, stride, count, depth, scale,
-                              scores + r * score_stride, score_stride);
-  }
-  for (; r + 2 <= rows; r += 2) {
-    q4_dot_rows_of_avx2<2, 4>(q + r * row_bytes, row_bytes, keys, stride, count, depth, scale,
-                              scores + r * score_stride, score_stride);
-  }
-  if (r < rows) {
-    q4_dot_rows_of_avx2<1, 8>(q + r * row_bytes, row_bytes, keys, stride, count, depth, scale,
-                              scores + r * score_stride, score_stride);
-  }
+  for_score_blocks_avx2(rows, [&](auto block_rows, auto keys_a_block, Index r) {
+    q4_dot_rows_of_avx2<block_rows, keys_a_block>(q + r * row_bytes, row_bytes, keys, stride, count,
+                                                  depth, scale, scores + r * score_stride,
+                                                  score_stride);
+  });
 #else
   arguments_unused(q, row_bytes, rows, keys, stride, count, depth, scale, scores, score_stride);
 #endif

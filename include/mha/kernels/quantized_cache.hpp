@@ -13,10 +13,10 @@
 //
 // A decoding step quantizes its new rows once (quantize_rows). With AVX-512 the decoding kernel's
 // register blocks read the codes and widen them in registers, 16 values at a time
-// (QuantizedRows); elsewhere it widens a sub-block of rows into a float tile in L1
-// (dequantize_rows) before its products, as it widens a 16-bit cache. Every code times its scale
-// is exact in float (at most 7 + 8 significant bits), so the AVX-512 paths and the scalar one
-// give the same floats.
+// (QuantizedRows), and with AVX2 alone 8 at a time (decode_quantized_avx2.hpp); elsewhere it
+// widens a sub-block of rows into a float tile in L1 (dequantize_rows) before its products, as it
+// widens a 16-bit cache. Every code times its scale is exact in float (at most 7 + 8 significant
+// bits), so the vector paths and the scalar one give the same floats.
 #pragma once
 
 #include <algorithm>
@@ -164,35 +164,49 @@ __attribute__((target("avx512f"), always_inline)) inline void dequantize_block_a
   _mm512_storeu_ps(out + 16, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(high)) * scale);
 }
 
-// dequantize_block_avx512's floats by 8-lane conversions, for CPUs with AVX2 but not AVX-512.
-__attribute__((target("avx2"), always_inline)) inline void dequantize_block_avx2(
-    const Q8Block& block, float* out) {
-  const __m256 scale = _mm256_set1_ps(bf16_bits_to_float(block.scale));
+// A block's bfloat16 scale as 8 floats (broadcast_scale's 8-lane form).
+__attribute__((target("avx2"), always_inline)) inline __m256 broadcast_scale_avx2(
+    const std::uint16_t& scale) {
+  const __m256i words = _mm256_broadcastd_epi32(_mm_loadu_si32(&scale));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+}
+
+// A quantized block's 32 values, widened in registers, 4 packets of 8 (dequantize_block_avx512's
+// floats by 8-lane conversions, for CPUs with AVX2 but not AVX-512).
+__attribute__((target("avx2"), always_inline)) inline void widen_block_avx2(const Q8Block& block,
+                                                                            __m256 (&out)[4]) {
+  const __m256 scale = broadcast_scale_avx2(block.scale);
   MHA_UNROLL
-  for (Index eighth = 0; eighth < 4; ++eighth) {
-    const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block.codes + 8 * eighth));
-    _mm256_storeu_ps(out + 8 * eighth,
-                     _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)), scale));
+  for (Index i = 0; i < 4; ++i) {
+    const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block.codes + 8 * i));
+    out[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)) * scale;
   }
 }
 
-__attribute__((target("avx2"), always_inline)) inline void dequantize_block_avx2(
-    const Q4Block& block, float* out) {
-  const __m256 scale = _mm256_set1_ps(bf16_bits_to_float(block.scale));
+__attribute__((target("avx2"), always_inline)) inline void widen_block_avx2(const Q4Block& block,
+                                                                            __m256 (&out)[4]) {
+  const __m256 scale = broadcast_scale_avx2(block.scale);
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block.codes));
   const __m128i nibble = _mm_set1_epi8(0x0F);
-  // (As dequantize_block_avx512: code - 8 before the product.)
-  const __m128i halves[2] = {minus_eight(_mm_and_si128(bytes, nibble)),
-                             minus_eight(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble))};
+  // code - 8 in bytes before the product, as dequantized(): code · scale may overflow where the
+  // value does not. Values 0-15 in the bytes' low nibbles, 16-31 in their high ones.
+  const __m128i low = minus_eight(_mm_and_si128(bytes, nibble));
+  const __m128i high = minus_eight(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
+  const __m128i levels[4] = {low, _mm_unpackhi_epi64(low, low), high,
+                             _mm_unpackhi_epi64(high, high)};
   MHA_UNROLL
-  for (Index half = 0; half < 2; ++half) {
-    const __m128i levels = halves[half];
-    _mm256_storeu_ps(out + 16 * half,
-                     _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(levels)), scale));
-    _mm256_storeu_ps(
-        out + 16 * half + 8,
-        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(levels, 8))), scale));
+  for (Index i = 0; i < 4; ++i) {
+    out[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(levels[i])) * scale;
   }
+}
+
+template <class Block>
+__attribute__((target("avx2"), always_inline)) inline void dequantize_block_avx2(const Block& block,
+                                                                                 float* out) {
+  __m256 values[4];
+  widen_block_avx2(block, values);
+  MHA_UNROLL
+  for (Index i = 0; i < 4; ++i) _mm256_storeu_ps(out + 8 * i, values[i]);
 }
 
 // A block's bfloat16 scale as 16 floats: the 32 bits from the scale's address (the scale, then
