@@ -206,14 +206,14 @@ __attribute__((target("avx2,fma"), noinline)) void q4_dot_rows_of_avx2(
 }
 
 // acc[r · acc_stride + c] = (first ? 0 : acc) + Σ_j p[r · p_stride + j] · value_j[column + c] for
-// r < Rows, c < 32 · Blocks, j < count: the value rows `stride` blocks apart, `column` a block's
-// first. Each value block widened once for every row of the block; Rows · 4 · Blocks <= 8 sums
-// in registers.
-template <Index Rows, Index Blocks, class Block>
+// r < Rows, c < 16 · Halves, j < count: the value rows `stride` blocks apart, `column` a
+// multiple of 16 (a half block's first; of 32 where Halves is even). Each value widened once for
+// every row of the block; Rows · 2 · Halves <= 8 sums in registers.
+template <Index Rows, Index Halves, class Block>
 __attribute__((target("avx2,fma"), noinline)) void quantized_value_block_avx2(
     const float* p, Index p_stride, const Block* values, Index stride, Index column, Index count,
     bool first, float* acc, Index acc_stride) {
-  constexpr Index kPackets = 4 * Blocks;  // of each row
+  constexpr Index kPackets = 2 * Halves;  // of each row
   static_assert(Rows * kPackets <= 8, "a block's sums fill at most 8 packets");
   __m256 sums[Rows * kPackets];
   MHA_UNROLL
@@ -222,22 +222,29 @@ __attribute__((target("avx2,fma"), noinline)) void quantized_value_block_avx2(
                     : _mm256_loadu_ps(acc + i / kPackets * acc_stride + 8 * (i % kPackets));
   }
   const auto stride_bytes = static_cast<Index>(sizeof(Block)) * stride;
-  const Block* blocks = values + column / kQuantBlock;
+  const Index first_half = column / 16;
   for (Index j = 0; j < count; ++j) {
-    const Block* row = blocks + j * stride;
+    const Block* row = values + j * stride;
     __m256 weights[Rows];
     MHA_UNROLL
     for (Index r = 0; r < Rows; ++r) weights[r] = _mm256_broadcast_ss(p + r * p_stride + j);
+    // Whole blocks where the halves pair up (a block's scale broadcast once), else one half.
+    constexpr Index kWidened = Halves % 2 == 0 ? 2 : 1;  // halves at a time
     MHA_UNROLL
-    for (Index b = 0; b < Blocks; ++b) {
-      quantized_request_ahead(row + b, stride_bytes);
-      __m256 v[4];
-      widen_block_avx2(row[b], v);
+    for (Index h = 0; h < Halves; h += kWidened) {
+      const Block& block = row[(first_half + h) / 2];
+      quantized_request_ahead(&block, stride_bytes);
+      __m256 v[2 * kWidened];
+      if constexpr (kWidened == 2) {
+        widen_block_avx2(block, v);
+      } else {
+        widen_half_block_avx2(block, (first_half + h) % 2, broadcast_scale_avx2(block.scale), v);
+      }
       MHA_UNROLL
-      for (Index i = 0; i < 4; ++i) {
+      for (Index i = 0; i < 2 * kWidened; ++i) {
         MHA_UNROLL
         for (Index r = 0; r < Rows; ++r) {
-          __m256& sum = sums[r * kPackets + 4 * b + i];
+          __m256& sum = sums[r * kPackets + 2 * h + i];
           sum = _mm256_fmadd_ps(weights[r], v[i], sum);
         }
       }
@@ -249,18 +256,18 @@ __attribute__((target("avx2,fma"), noinline)) void quantized_value_block_avx2(
   }
 }
 
-// quantized_value_block_avx2 for `Rows` rows across value_dim columns: Blocks blocks at a time,
-// then one.
-template <Index Rows, Index Blocks, class Block>
+// quantized_value_block_avx2 for `Rows` rows across value_dim columns: Halves half blocks at a
+// time, then one.
+template <Index Rows, Index Halves, class Block>
 inline void quantized_value_columns_avx2(const float* p, Index p_stride, const Block* values,
                                          Index stride, Index column, Index count, Index value_dim,
                                          bool first, float* acc, Index acc_stride) {
   Index c = 0;
-  for (; c + kQuantBlock * Blocks <= value_dim; c += kQuantBlock * Blocks) {
-    quantized_value_block_avx2<Rows, Blocks>(p, p_stride, values, stride, column + c, count, first,
+  for (; c + 16 * Halves <= value_dim; c += 16 * Halves) {
+    quantized_value_block_avx2<Rows, Halves>(p, p_stride, values, stride, column + c, count, first,
                                              acc + c, acc_stride);
   }
-  for (; c < value_dim; c += kQuantBlock) {
+  for (; c < value_dim; c += 16) {
     quantized_value_block_avx2<Rows, 1>(p, p_stride, values, stride, column + c, count, first,
                                         acc + c, acc_stride);
   }
@@ -316,21 +323,24 @@ inline void q4_dot_rows_avx2(const std::int8_t* q, Index row_bytes, Index rows, 
 }
 
 // acc[r · acc_stride + c] = (first ? 0 : acc) + Σ_j p[r · p_stride + j] · value_j[column + c] for
-// r < rows, c < value_dim, j < count: the value rows `stride` blocks apart. Blocks of 2 rows × 32
-// columns, then 1 × 64. Only where quantized_blocks_avx2_available().
+// r < rows, c < value_dim, j < count: the value rows `stride` blocks apart. Blocks of 4 rows × 16
+// columns, then 2 × 32 and 1 × 64. Only where quantized_blocks_avx2_available().
 template <class Block>
 void quantized_value_rows_avx2(const float* p, Index p_stride, Index rows, const Block* values,
                                Index stride, Index column, Index count, Index value_dim, bool first,
                                float* acc, Index acc_stride) {
 #ifdef MHA_PACKED_GEMM_X86
-  // (Two rows a block: four would hold 16 sums in AVX2's 16 registers.)
   Index r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    quantized_value_columns_avx2<4, 1>(p + r * p_stride, p_stride, values, stride, column, count,
+                                       value_dim, first, acc + r * acc_stride, acc_stride);
+  }
   for (; r + 2 <= rows; r += 2) {
-    quantized_value_columns_avx2<2, 1>(p + r * p_stride, p_stride, values, stride, column, count,
+    quantized_value_columns_avx2<2, 2>(p + r * p_stride, p_stride, values, stride, column, count,
                                        value_dim, first, acc + r * acc_stride, acc_stride);
   }
   if (r < rows) {
-    quantized_value_columns_avx2<1, 2>(p + r * p_stride, p_stride, values, stride, column, count,
+    quantized_value_columns_avx2<1, 4>(p + r * p_stride, p_stride, values, stride, column, count,
                                        value_dim, first, acc + r * acc_stride, acc_stride);
   }
 #else

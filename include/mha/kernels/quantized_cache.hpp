@@ -171,32 +171,42 @@ __attribute__((target("avx2"), always_inline)) inline __m256 broadcast_scale_avx
   return _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
 }
 
-// A quantized block's 32 values, widened in registers, 4 packets of 8 (dequantize_block_avx512's
-// floats by 8-lane conversions, for CPUs with AVX2 but not AVX-512).
-__attribute__((target("avx2"), always_inline)) inline void widen_block_avx2(const Q8Block& block,
-                                                                            __m256 (&out)[4]) {
-  const __m256 scale = broadcast_scale_avx2(block.scale);
+// Half `half` (0 or 1) of a quantized block's 32 values, widened in registers, 2 packets of 8
+// (dequantize_block_avx512's floats by 8-lane conversions, for CPUs with AVX2 but not AVX-512);
+// `scale`, broadcast_scale_avx2(block.scale).
+__attribute__((target("avx2"), always_inline)) inline void widen_half_block_avx2(
+    const Q8Block& block, Index half, __m256 scale, __m256 (&out)[2]) {
   MHA_UNROLL
-  for (Index i = 0; i < 4; ++i) {
-    const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block.codes + 8 * i));
+  for (Index i = 0; i < 2; ++i) {
+    const __m128i codes =
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block.codes + 16 * half + 8 * i));
     out[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)) * scale;
   }
 }
 
-__attribute__((target("avx2"), always_inline)) inline void widen_block_avx2(const Q4Block& block,
+__attribute__((target("avx2"), always_inline)) inline void widen_half_block_avx2(
+    const Q4Block& block, Index half, __m256 scale, __m256 (&out)[2]) {
+  __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block.codes));
+  // Values 0-15 in the bytes' low nibbles, 16-31 in their high ones.
+  if (half == 1) bytes = _mm_srli_epi16(bytes, 4);
+  // code - 8 in bytes before the product, as dequantized(): code · scale may overflow where the
+  // value does not.
+  const __m128i levels = minus_eight(_mm_and_si128(bytes, _mm_set1_epi8(0x0F)));
+  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(levels)) * scale;
+  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(levels, levels))) * scale;
+}
+
+// A quantized block's 32 values, widened in registers: 4 packets of 8.
+template <class Block>
+__attribute__((target("avx2"), always_inline)) inline void widen_block_avx2(const Block& block,
                                                                             __m256 (&out)[4]) {
   const __m256 scale = broadcast_scale_avx2(block.scale);
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block.codes));
-  const __m128i nibble = _mm_set1_epi8(0x0F);
-  // code - 8 in bytes before the product, as dequantized(): code · scale may overflow where the
-  // value does not. Values 0-15 in the bytes' low nibbles, 16-31 in their high ones.
-  const __m128i low = minus_eight(_mm_and_si128(bytes, nibble));
-  const __m128i high = minus_eight(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
-  const __m128i levels[4] = {low, _mm_unpackhi_epi64(low, low), high,
-                             _mm_unpackhi_epi64(high, high)};
   MHA_UNROLL
-  for (Index i = 0; i < 4; ++i) {
-    out[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(levels[i])) * scale;
+  for (Index half = 0; half < 2; ++half) {
+    __m256 packets[2];
+    widen_half_block_avx2(block, half, scale, packets);
+    out[2 * half] = packets[0];
+    out[2 * half + 1] = packets[1];
   }
 }
 
