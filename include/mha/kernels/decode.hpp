@@ -100,7 +100,9 @@ inline bool decode_kernel_applies(const CoreOptions<float>& options) {
 //           register blocks over a whole chunk (a float cache) at once, keeping their sums in
 //           registers: these rows' arithmetic, not the cache's bytes, bounds the step;
 //   blocks  decode_products.hpp's AVX-512 register blocks: two or more rows, D and Dv multiples
-//           of 16;
+//           of 16; and every quantized cache's rows with AVX-512 (decode_q4.hpp's products over
+//           q4 where they run), or with AVX2 alone for heads of whole blocks
+//           (decode_quantized_avx2.hpp);
 //   panels  the packed GEMM's micro-kernel, where it runs (AVX2 and FMA) and the blocks do not:
 //           kDecodePanelsMinRows rows or more, value rows of whole panels;
 //   dots    dot products and weighted sums a row at a time, elsewhere: among others one row (a

@@ -7,7 +7,9 @@
 // AVX-512 blocks over QuantizedRows, in 8-lane registers, of which AVX2 has 16. Without them the
 // kernel widened each sub-block of the cache into a float tile and multiplied the tile: on Zen 3
 // (B = 1, H_kv = 16, 16384 cached tokens, the kernel alone) a q4 step took 7.3 ms, two thirds of
-// the float cache's 10.9, where its bytes are a seventh (bench/RESULTS.md, 2026-12-07).
+// the float cache's 10.9, where its bytes are a seventh (bench/RESULTS.md, 2026-12-07). Over a
+// q4 cache the scores take decode_q4.hpp's int8 queries (q4_dot_rows_avx2): `vpmaddubsw` on the
+// stored nibbles, as the AVX-512 q4 products take `vpdpbusd`.
 #pragma once
 
 #include <algorithm>
@@ -66,8 +68,9 @@ inline void prepare_q4_query_avx2(const float* q, Index depth, std::int8_t* out)
 }
 
 #ifdef MHA_PACKED_GEMM_X86
-// Rows ahead that the blocks below request what they load (QuantizedRows' kQuantizedRowsAhead:
-// one sub-block of the decoding kernel's register blocks).
+// The block kQuantizedRowsAhead rows after `block` requested from memory now, as QuantizedRows
+// requests what it loads: the blocks below walk a head's slice of a few rows at a time, an order
+// the hardware's prefetchers do not follow. (As an address only, never dereferenced.)
 __attribute__((target("avx2"), always_inline)) inline void quantized_request_ahead(
     const void* block, Index stride_bytes) {
   const std::uintptr_t ahead = reinterpret_cast<std::uintptr_t>(block) +
@@ -139,7 +142,7 @@ __attribute__((target("avx2,fma"), noinline)) void quantized_dot_rows_of_avx2(
 
 // out[r · out_stride + j] = q_r · key_j · factors lane r · Keys + j, for r < Rows and j < valid (at
 // most Keys): q as prepare_q4_query_avx2 left each row (row_bytes apart), the keys' blocks from
-// block `first_block` of rows `stride` blocks apart. Per block, `vpmaddubsw` multiplies the
+// `keys` (the head's first), rows `stride` blocks apart. Per block, `vpmaddubsw` multiplies the
 // stored nibbles (unsigned, values 0-15 of the block in the low half of a register, 16-31 in the
 // high) by the query's codes, `vpmaddwd` sums pairs of those into int32 lanes (exact: at most 4 ·
 // 15 · 127), and the lanes' starting values take the offset of 8 out (in float, exactly); then each
