@@ -4,10 +4,10 @@
 //   Ŵ[n][k] = scale[n] · q[n][k],  q in [-127, 127],  scale[n] = max_k |W[n][k]| / 127
 //   dst [M, N] = x [M, K] · Ŵᵀ,  dst[m][n] = scale[n] · Σ_k q[n][k] · x[m][k]
 // Symmetric, per output channel, rounded to nearest: PyTorch's per-channel symmetric weight
-// quantization and CTranslate2's int8 weights. The sums are fp32: 16 weights at a time widened in
-// registers (vpmovsxbd, vcvtdq2ps) and multiplied into the rows' sums; the scale is applied once
-// per output. A decoding step reads every weight once, so its projections are bound by those
-// bytes, not by the arithmetic.
+// quantization and CTranslate2's int8 weights. The sums are fp32: 16 weights at a time (8 with
+// AVX2 alone) widened in registers (vpmovsxbd, vcvtdq2ps) and multiplied into the rows' sums; the
+// scale is applied once per output. A decoding step reads every weight once, so its projections are
+// bound by those bytes, not by the arithmetic.
 #pragma once
 
 #include <algorithm>
@@ -104,14 +104,90 @@ __attribute__((target("avx512f"))) inline void int8_block_avx512(const float* x,
   }
 }
 
-// Rows m0 .. m0 + Rows - 1 against outputs [first, end): blocks of four outputs, then one at a
-// time.
-template <int Rows>
-inline void int8_rows_avx512(const float* x, Index x_stride, const Int8Weight& w, Index first,
-                             Index end, float* dst, Index ld) {
+// int8_block_avx512's sums with AVX2 (8 lanes; the depth past the last whole 8 one element at
+// a time), for CPUs without AVX-512: Outputs · Rows <= 8 sums, in AVX2's 16 registers.
+template <int Outputs, int Rows>
+__attribute__((target("avx2,fma"))) inline void int8_block_avx2(const float* x, Index x_stride,
+                                                                const Int8Weight& w, Index n0,
+                                                                float* dst, Index ld) {
+  static_assert(Outputs * Rows <= 8, "a block's sums fill at most 8 registers");
+  const Index depth = w.depth, whole = depth / 8 * 8;
+  const std::int8_t* q = w.values.data() + n0 * depth;
+  __m256 sums[Outputs][Rows];
+  MHA_UNROLL
+  for (auto& output_sums : sums) {
+    MHA_UNROLL
+    for (__m256& sum : output_sums) sum = _mm256_setzero_ps();
+  }
+  for (Index k = 0; k < whole; k += 8) {
+    MHA_UNROLL
+    for (int o = 0; o < Outputs; ++o) {
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + o * depth + k));
+      const __m256 weights = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+      MHA_UNROLL
+      for (int m = 0; m < Rows; ++m) {
+        sums[o][m] = _mm256_fmadd_ps(weights, _mm256_loadu_ps(x + m * x_stride + k), sums[o][m]);
+      }
+    }
+  }
+  MHA_UNROLL
+  for (int o = 0; o < Outputs; ++o) {
+    MHA_UNROLL
+    for (int m = 0; m < Rows; ++m) {
+      __m128 lanes = _mm256_castps256_ps128(sums[o][m]) + _mm256_extractf128_ps(sums[o][m], 1);
+      lanes = lanes + _mm_movehl_ps(lanes, lanes);
+      float sum = _mm_cvtss_f32(lanes + _mm_movehdup_ps(lanes));
+      for (Index k = whole; k < depth; ++k) {
+        sum += static_cast<float>(q[o * depth + k]) * x[m * x_stride + k];
+      }
+      dst[m * ld + n0 + o] = w.scales[static_cast<std::size_t>(n0 + o)] * sum;
+    }
+  }
+}
+
+// Rows m0 .. m0 + Rows - 1 against outputs [first, end): blocks of four outputs (with AVX2 as
+// many as 8 sums hold: 8 / Rows), then one at a time.
+template <bool Avx512, int Rows>
+inline void int8_rows(const float* x, Index x_stride, const Int8Weight& w, Index first, Index end,
+                      float* dst, Index ld) {
+  constexpr int kOutputs = Avx512 ? 4 : 8 / Rows;
   Index n = first;
-  for (; n + 4 <= end; n += 4) int8_block_avx512<4, Rows>(x, x_stride, w, n, dst, ld);
-  for (; n < end; ++n) int8_block_avx512<1, Rows>(x, x_stride, w, n, dst, ld);
+  if constexpr (Avx512) {
+    for (; n + kOutputs <= end; n += kOutputs) {
+      int8_block_avx512<kOutputs, Rows>(x, x_stride, w, n, dst, ld);
+    }
+    for (; n < end; ++n) int8_block_avx512<1, Rows>(x, x_stride, w, n, dst, ld);
+  } else {
+    for (; n + kOutputs <= end; n += kOutputs) {
+      int8_block_avx2<kOutputs, Rows>(x, x_stride, w, n, dst, ld);
+    }
+    for (; n < end; ++n) int8_block_avx2<1, Rows>(x, x_stride, w, n, dst, ld);
+  }
+}
+
+// Every row of x against outputs [first, end): four rows at a time, then the rest.
+template <bool Avx512>
+void int8_task(const float* x, Index rows, Index x_stride, const Int8Weight& w, Index first,
+               Index end, float* dst, Index ld) {
+  Index m = 0;
+  for (; m + 4 <= rows; m += 4) {
+    int8_rows<Avx512, 4>(x + m * x_stride, x_stride, w, first, end, dst + m * ld, ld);
+  }
+  const float* rest = x + m * x_stride;
+  float* out = dst + m * ld;
+  switch (rows - m) {
+    case 3:
+      int8_rows<Avx512, 3>(rest, x_stride, w, first, end, out, ld);
+      break;
+    case 2:
+      int8_rows<Avx512, 2>(rest, x_stride, w, first, end, out, ld);
+      break;
+    case 1:
+      int8_rows<Avx512, 1>(rest, x_stride, w, first, end, out, ld);
+      break;
+    default:
+      break;
+  }
 }
 #endif
 
@@ -134,25 +210,11 @@ inline void int8_product(const float* x, Index rows, Index x_stride, const Int8W
     const Index end = std::min(outputs, first + kInt8OutputsPerTask);
 #ifdef MHA_PACKED_GEMM_X86
     if (cpu_has_avx512f()) {
-      Index m = 0;
-      for (; m + 4 <= rows; m += 4) {
-        int8_rows_avx512<4>(x + m * x_stride, x_stride, w, first, end, dst + m * ld, ld);
-      }
-      const float* rest = x + m * x_stride;
-      float* out = dst + m * ld;
-      switch (rows - m) {
-        case 3:
-          int8_rows_avx512<3>(rest, x_stride, w, first, end, out, ld);
-          break;
-        case 2:
-          int8_rows_avx512<2>(rest, x_stride, w, first, end, out, ld);
-          break;
-        case 1:
-          int8_rows_avx512<1>(rest, x_stride, w, first, end, out, ld);
-          break;
-        default:
-          break;
-      }
+      int8_task<true>(x, rows, x_stride, w, first, end, dst, ld);
+      continue;
+    }
+    if (cpu_has_avx2_fma()) {
+      int8_task<false>(x, rows, x_stride, w, first, end, dst, ld);
       continue;
     }
 #endif
