@@ -1012,18 +1012,20 @@ void projection_int8(benchmark::State& state) {
 }
 
 // The AVX-512 micro-kernel's two tiles alone (kernels/packed_gemm.hpp's micro_tile_avx512): 6 x 32
-// (one panel of A) and 12 x 32 (two), rows = range(0), over 72 packed rows of A and B_cols =
-// range(1) packed columns at the depth of a slice (kKc = 256), as multiply_panels sweeps them:
-// each row panel (or pair) against every two panels of B, the sums added to a tile of dst. Every
-// thread runs its own copy at once, so that B's bytes stream as in the layer's products: from L2
-// at 64 and 1024 columns (64 KiB and 1 MiB of B), from beyond it at 8192 (8 MiB), where the
-// first row panel of each chunk of a product takes its B.
+// (one panel of A) and 12 x 32 (two); without AVX-512, micro_kernel_avx2's 6 x 16; rows = range(0),
+// over 72 packed rows of A and B_cols = range(1) packed columns at the depth of a slice (kKc =
+// 256), as multiply_panels sweeps them: each row panel (or pair) against every two panels of B, the
+// sums added to a tile of dst. Every thread runs its own copy at once, so that B's bytes stream as
+// in the layer's products: from L2 at 64 and 1024 columns (64 KiB and 1 MiB of B), from beyond it
+// at 8192 (8 MiB), where the first row panel of each chunk of a product takes its B.
 void micro_tile(benchmark::State& state) {
   using Shape = mha::detail::PackedGemmShape;
   const mha::Index rows = state.range(0), cols = state.range(1), depth = Shape::kKc;
   const mha::Index a_rows = 72;
-  if (!mha::detail::cpu_has_avx512f()) {
-    state.SkipWithError("the AVX-512 micro-kernels do not run on this CPU");
+  // Without AVX-512, the AVX2 kernel's 6 x 16 tile (micro_kernel_avx2) is the only one there is.
+  const bool avx512 = mha::detail::cpu_has_avx512f();
+  if (!avx512 && (!mha::detail::cpu_has_avx2_fma() || rows != Shape::kMr)) {
+    state.SkipWithError("this CPU has no micro-kernel of this tile's rows");
     return;
   }
   const auto threads = static_cast<mha::Index>(mha::detail::max_threads());
@@ -1038,6 +1040,14 @@ void micro_tile(benchmark::State& state) {
     const float* panels = b[static_cast<std::size_t>(t)].data();
     float* out = dst[static_cast<std::size_t>(t)].data();
     for (mha::Index i = 0; i < a_rows; i += rows) {
+      if (!avx512) {
+        for (mha::Index j = 0; j < cols; j += Shape::kNr) {
+          mha::detail::micro_kernel_avx2(depth, a.data() + i * depth, 1, Shape::kMr,
+                                         panels + j * depth, Shape::kNr, 1.0F, false,
+                                         out + i * cols + j, cols);
+        }
+        continue;
+      }
       for (mha::Index j = 0; j < cols; j += 2 * Shape::kNr) {
         const float* b_panel = panels + j * depth;
         if (rows == 2 * Shape::kMr) {

@@ -6,11 +6,12 @@
 // thread count (measured: outputs differing by 1e-7 between 1 and 2 threads at E = 512). Here the
 // result is cut into at most 8 slabs of rows or of columns (whichever dimension is larger), by a
 // rule that looks only at the shape, and each slab is one serial Eigen product (inside a parallel
-// region Eigen never threads). Each element is then computed by the same arithmetic whatever the
-// thread count. (The slabs must not depend on the thread count: Eigen's cache blocking and its
-// edge paths depend on a product's shape, and they decide the order of each element's sum.)
-// Splitting the larger dimension keeps the smaller operand, packed once per slab, the one that is
-// re-read; up to 8 slabs keep 2, 4 or 8 threads busy.
+// region Eigen never threads), taken by whichever thread is free first. Each element is then
+// computed by the same arithmetic whatever the thread count and whichever thread computes it. (The
+// slabs must not depend on the thread count: Eigen's cache blocking and its edge paths depend on a
+// product's shape, and they decide the order of each element's sum.) Splitting the larger dimension
+// keeps the smaller operand, packed once per slab, the one that is re-read; up to 8 slabs keep 2, 4
+// or 8 threads busy.
 //
 // A product with at most 16 rows whose right operand has contiguous columns (x Wᵀ for a few
 // tokens, as a decoding step projects them) is computed as dot products instead, in slabs of 64
@@ -116,6 +117,17 @@ inline void pack_rhs_together(const PackedOperand& rhs, Index depth, Index cols,
   }
 }
 
+// The slabs of packed_column_slabs: up to 16, each a multiple of 48 rows of W (whole micro-tiles
+// of kMr rows), which the threads take as they finish (as every threaded product's slabs). Eight
+// slabs shared out in advance left one thread waiting whenever the other ran slower: on a shared
+// 2-core Zen 3, one core ran the micro-kernel at 0.76-0.80 of the other's rate while both were
+// busy, and libgomp's wait was a seventh of the forward's samples at L = 128. (Finer slabs of
+// rows for packed_slabs, 48 to 144 rows, gained nothing measurable there.)
+inline Index packed_slab_width(Index extent) {
+  constexpr Index kSlabs = 16, kUnit = 48;  // 48: kMr and kNr both divide it
+  return std::max(kUnit, (extent + kSlabs * kUnit - 1) / (kSlabs * kUnit) * kUnit);
+}
+
 // threaded_product's slabs of rows on the packed GEMM (packed_gemm.hpp): op(rhs), which every slab
 // multiplies, packed once and shared (its panels split between the threads), rather than once
 // per slab as tile_product would; each slab then multiplies its rows by it, element for element
@@ -137,7 +149,7 @@ inline void packed_slabs(StridedMap<float> dst, const ConstStridedMap<float>& lh
       static_cast<double>(dst.rows()) * static_cast<double>(cols) * static_cast<double>(depth);
   MHA_OMP_PRAGMA(omp parallel if (max_threads() > 1 && work >= kMinParallelWork)) {
     pack_rhs_together(b, depth, cols, packed_rhs);
-    MHA_OMP_PRAGMA(omp for schedule(static))
+    MHA_OMP_PRAGMA(omp for schedule(dynamic))
     for (Index slab = 0; slab < slabs; ++slab) {
       const Index start = slab * width, count = std::min(width, dst.rows() - start);
       const PackedOperand a =
@@ -197,7 +209,7 @@ inline void packed_column_slabs(StridedMap<float> dst, const ConstStridedMap<flo
       slab_result.resize(static_cast<std::size_t>(width * tokens));
     }
     float* const result = slab_result.data();
-    MHA_OMP_PRAGMA(omp for schedule(static))
+    MHA_OMP_PRAGMA(omp for schedule(dynamic))
     for (Index slab = 0; slab < slabs; ++slab) {
       const Index n0 = slab * width, count = std::min(width, outputs - n0);
       if (accumulate == Accumulate::yes) {
@@ -257,14 +269,18 @@ void threaded_product(StridedMap<T> dst, ConstStridedMap<T> lhs, Operand lhs_op,
     }
     if (!by_rows && slabs > 1 && !lhs_transposed && rhs_transposed &&
         few_tokens_for_depth(dst.rows(), lhs.cols()) && packed_gemm_available()) {
-      return packed_column_slabs(dst, lhs, rhs, accumulate, width, slabs);
+      // The packed GEMM's sums do not depend on where a product is cut, and this path packs
+      // the operand every slab multiplies once: its slabs may be finer (packed_slab_width).
+      const Index columns = packed_slab_width(extent);
+      return packed_column_slabs(dst, lhs, rhs, accumulate, columns,
+                                 (extent + columns - 1) / columns);
     }
   }
   // With more than one thread available, always inside a parallel region, even for one slab:
   // outside one, Eigen would thread a large product itself. With one thread, or below
   // kMinParallelWork (where Eigen does not thread either), no region.
   MHA_OMP_PRAGMA(
-      omp parallel for schedule(static) if (max_threads() > 1 && work >= kMinParallelWork))
+      omp parallel for schedule(dynamic) if (max_threads() > 1 && work >= kMinParallelWork))
   for (Index slab = 0; slab < slabs; ++slab) {
     const Index start = slab * width, count = std::min(width, extent - start);
     // Rows of op(lhs) are columns of a transposed lhs as stored; columns of op(rhs), rows of a
