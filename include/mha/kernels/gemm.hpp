@@ -4,14 +4,14 @@
 // Why not Eigen's own OpenMP GEMM: it chooses its depth blocking (kc) from the number of threads,
 // and so the order in which each element's sum is accumulated, and the rounding, change with the
 // thread count (measured: outputs differing by 1e-7 between 1 and 2 threads at E = 512). Here the
-// result is cut into at most 8 slabs of rows or of columns (whichever dimension is larger), by a
-// rule that looks only at the shape, and each slab is one serial Eigen product (inside a parallel
-// region Eigen never threads), taken by whichever thread is free first. Each element is then
-// computed by the same arithmetic whatever the thread count and whichever thread computes it. (The
-// slabs must not depend on the thread count: Eigen's cache blocking and its edge paths depend on a
-// product's shape, and they decide the order of each element's sum.) Splitting the larger dimension
-// keeps the smaller operand, packed once per slab, the one that is re-read; up to 8 slabs keep 2, 4
-// or 8 threads busy.
+// result is cut into at most 8 slabs (16 in packed_column_slabs) of rows or of columns (whichever
+// dimension is larger), by a rule that looks only at the shape, and each slab is one serial Eigen
+// product (inside a parallel region Eigen never threads), taken by whichever thread is free first.
+// Each element is then computed by the same arithmetic whatever the thread count and whichever
+// thread computes it. (The slabs must not depend on the thread count: Eigen's cache blocking and
+// its edge paths depend on a product's shape, and they decide the order of each element's sum.)
+// Splitting the larger dimension keeps the smaller operand, packed once per slab, the one that is
+// re-read; up to 8 slabs keep 2, 4 or 8 threads busy.
 //
 // A product with at most 16 rows whose right operand has contiguous columns (x Wᵀ for a few
 // tokens, as a decoding step projects them) is computed as dot products instead, in slabs of 64
@@ -120,9 +120,9 @@ inline void pack_rhs_together(const PackedOperand& rhs, Index depth, Index cols,
 // The slabs of packed_column_slabs: up to 16, each a multiple of 48 rows of W (whole micro-tiles
 // of kMr rows), which the threads take as they finish (as every threaded product's slabs). Eight
 // slabs shared out in advance left one thread waiting whenever the other ran slower: on a shared
-// 2-core Zen 3, one core ran the micro-kernel at 0.76-0.80 of the other's rate while both were
-// busy, and libgomp's wait was a seventh of the forward's samples at L = 128. (Finer slabs of
-// rows for packed_slabs, 48 to 144 rows, gained nothing measurable there.)
+// 2-core Zen 3, one core ran the micro-kernel at 75-81 GFLOP/s and the other at 95-99 while both
+// were busy, and libgomp's wait was 13 % of the forward's samples at L = 128 (bench/RESULTS.md,
+// 2026-12-07, tenth session). Finer slabs of rows for packed_slabs gained nothing measurable.
 inline Index packed_slab_width(Index extent) {
   constexpr Index kSlabs = 16, kUnit = 48;  // 48: kMr and kNr both divide it
   return std::max(kUnit, (extent + kSlabs * kUnit - 1) / (kSlabs * kUnit) * kUnit);

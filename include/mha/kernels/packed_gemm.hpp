@@ -296,8 +296,8 @@ __attribute__((target("avx2,fma"))) inline void micro_kernel_avx2(Index depth, c
   __m256 c40 = _mm256_setzero_ps(), c41 = _mm256_setzero_ps();
   __m256 c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
   const Index r1 = a_row_step, r2 = 2 * r1, r3 = 3 * r1, r4 = 4 * r1, r5 = 5 * r1;
-  // Unrolled by four: on a core whose other hardware thread was busy (a shared 2-core Zen 3) the
-  // kernel ran at 84-87 GFLOP/s against 76-80 a step at a time, and level with it on an idle core.
+  // Unrolled by four: on a core slowed by the shared host's other load (a 2-core Zen 3, both cores
+  // busy) the kernel ran at 83-87 GFLOP/s against 75-81 a step at a time, level on an idle core.
   MHA_UNROLL4
   for (Index k = 0; k < depth; ++k, a += a_k_step, b += b_k_step) {
     const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
