@@ -244,8 +244,9 @@ TEST_CASE("the decoding kernel equals the flash kernel one sequence at a time, a
     const DecodeShape shape{c.heads, c.kv_heads, c.head_dim, c.head_dim, 0, 0, 0};
     // Each case runs the path it was written for on this CPU: the register blocks for two or more
     // rows per key/value head where D is a multiple of 16 (with AVX-512; from 12 rows, the
-    // scores with the rows as lanes), else the micro-kernel from 8 rows (with AVX2 and FMA),
-    // else dot products.
+    // scores with the rows as lanes), else the micro-kernel from 8 rows (with AVX2 and FMA), else
+    // the AVX2 register blocks for two or more rows where D is a multiple of 32, else dot
+    // products.
     const Index group = c.heads / c.kv_heads;
     const bool whole_packets = c.head_dim % 16 == 0;
     for (const Index n : c.query_counts) {
@@ -257,6 +258,9 @@ TEST_CASE("the decoding kernel equals the flash kernel one sequence at a time, a
             group * n >= mha::detail::kDecodeLanesMinRows ? DecodePath::lanes : DecodePath::blocks;
       } else if (group * n >= 8 && whole_packets && mha::detail::packed_gemm_available()) {
         expected = DecodePath::panels;
+      } else if (group * n > 1 && c.head_dim % 32 == 0 &&
+                 mha::detail::decode_blocks_avx2_available(32, 32)) {
+        expected = DecodePath::blocks;
       }
       CHECK(mha::detail::decode_path(shape, n) == expected);
     }
@@ -329,12 +333,12 @@ TEMPLATE_TEST_CASE(
         }
       }
     }
-    // A q4 cache's products (decode_q4.hpp with AVX-512, decode_quantized_avx2.hpp with AVX2)
+    // A q4 cache's products (decode_q4.hpp with AVX-512, decode_avx2.hpp with AVX2)
     // round each query row of a head to int8 codes: the float cache then gets the queries those
     // codes stand for.
     const bool int8_queries = std::is_same_v<Block, mha::detail::Q4Block> &&
                               mha::detail::q4_queries_rounded(c.head_dim, c.head_dim);
-    if (mha::detail::quantized_blocks_avx2_available(c.head_dim, c.head_dim)) ++avx2_blocks;
+    if (mha::detail::decode_blocks_avx2_available(c.head_dim, c.head_dim)) ++avx2_blocks;
     if (int8_queries) {
       ++q4_products;
       for (auto& rows : dequantized.queries) {
@@ -380,7 +384,7 @@ TEMPLATE_TEST_CASE(
   if (std::is_same_v<Block, mha::detail::Q4Block> && mha::detail::q4_queries_rounded(32, 32)) {
     CHECK(q4_products >= 6);
   }
-  if (mha::detail::quantized_blocks_avx2_available(32, 32)) CHECK(avx2_blocks >= 6);
+  if (mha::detail::decode_blocks_avx2_available(32, 32)) CHECK(avx2_blocks >= 6);
 }
 
 #ifdef _OPENMP

@@ -29,7 +29,7 @@
 #include "mha/kernels/decode.hpp"
 #include "mha/kernels/decode_products.hpp"
 #include "mha/kernels/decode_q4.hpp"
-#include "mha/kernels/decode_quantized_avx2.hpp"
+#include "mha/kernels/decode_avx2.hpp"
 #include "mha/kernels/flash.hpp"
 #include "mha/kernels/flash_bf16.hpp"
 #include "mha/kernels/flash_panels.hpp"

@@ -28,9 +28,9 @@
 
 #include "mha/kernels/common.hpp"
 #include "mha/kernels/convert.hpp"
+#include "mha/kernels/decode_avx2.hpp"
 #include "mha/kernels/decode_products.hpp"
 #include "mha/kernels/decode_q4.hpp"
-#include "mha/kernels/decode_quantized_avx2.hpp"
 #include "mha/kernels/flash.hpp"
 #include "mha/kernels/quantized_cache.hpp"
 
@@ -101,10 +101,13 @@ inline bool decode_kernel_applies(const CoreOptions<float>& options) {
 //           registers: these rows' arithmetic, not the cache's bytes, bounds the step;
 //   blocks  decode_products.hpp's AVX-512 register blocks: two or more rows, D and Dv multiples
 //           of 16; and every quantized cache's rows with AVX-512 (decode_q4.hpp's products over
-//           q4 where they run), or with AVX2 alone for heads of whole blocks
-//           (decode_quantized_avx2.hpp);
-//   panels  the packed GEMM's micro-kernel, where it runs (AVX2 and FMA) and the blocks do not:
-//           kDecodePanelsMinRows rows or more, value rows of whole panels;
+//           q4 where they run); with AVX2 alone, decode_avx2.hpp's register blocks, for heads of
+//           whole blocks (D and Dv multiples of 32): every row count of a quantized cache, and
+//           two to kDecodePanelsMinRows - 1 rows of a float or 16-bit one;
+//   panels  the packed GEMM's micro-kernel, where it runs (AVX2 and FMA) and the AVX-512 blocks
+//           do not: kDecodePanelsMinRows rows or more, value rows of whole panels (on Zen 3,
+//           sixteen rows in L3 took 0.78 of the time they took by decode_avx2.hpp's blocks,
+//           whose sums across lanes cost what the micro-kernel's broadcasts do not);
 //   dots    dot products and weighted sums a row at a time, elsewhere: among others one row (a
 //           query head per key/value head, decoding one token), which reading the cache bounds;
 //           there the cache's rows are read whole, head after head (scaled_dots_by_rows), which
@@ -119,9 +122,11 @@ inline DecodePath decode_path(const DecodeShape& shape, Index query_count) {
     return rows >= kDecodeLanesMinRows && query_lanes_available() ? DecodePath::lanes
                                                                   : DecodePath::blocks;
   }
-  if (packed_gemm_available() && rows >= kDecodePanelsMinRows &&
-      shape.value_dim % PackedGemmShape::kNr == 0) {
-    return DecodePath::panels;
+  const bool panels = packed_gemm_available() && rows >= kDecodePanelsMinRows &&
+                      shape.value_dim % PackedGemmShape::kNr == 0;
+  if (panels) return DecodePath::panels;
+  if (rows > 1 && decode_blocks_avx2_available(shape.head_dim, shape.value_dim)) {
+    return DecodePath::blocks;
   }
   return DecodePath::dots;
 }
@@ -153,9 +158,9 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
 #ifdef MHA_PACKED_GEMM_X86
   fused = is_quantized_block_v<Stored> && value_blocks_available(depth, value_dim);
 #endif
-  // With AVX2 but not AVX-512: decode_quantized_avx2.hpp's register blocks.
+  // With AVX2 but not AVX-512: decode_avx2.hpp's register blocks.
   const bool fused_avx2 =
-      is_quantized_block_v<Stored> && quantized_blocks_avx2_available(depth, value_dim);
+      is_quantized_block_v<Stored> && decode_blocks_avx2_available(depth, value_dim);
   fused = fused || fused_avx2;
   // ... and over a q4 cache, int8 queries (q4_dot_rows_avx2).
   const bool q4_avx2 = std::is_same_v<Stored, Q4Block> && fused_avx2;
@@ -164,6 +169,8 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
   const DecodePath path = fused ? DecodePath::blocks : decode_path(shape, n);
   const bool lanes = path == DecodePath::lanes, panels = path == DecodePath::panels;
   const bool blocks = path == DecodePath::blocks || lanes;  // P·V by the register blocks
+  // A float cache's rows (or a 16-bit one's, widened into the tiles) by decode_avx2.hpp's blocks.
+  const bool float_blocks_avx2 = blocks && !fused && decode_blocks_avx2_available(depth, value_dim);
   // One row per key/value head: the cache's rows read whole, head after head
   // (scaled_dots_by_rows).
   const bool by_rows = path == DecodePath::dots && group_rows == 1;
@@ -202,7 +209,7 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
       prepare_query_lanes(queries.data() + g * group_rows * depth, depth, group_rows, depth,
                           mine.packed_queries.data() + g * query_panels * depth);
     }
-  } else if (blocks) {
+  } else if (blocks && !float_blocks_avx2) {
     for (Index g = 0; g < shape.kv_heads; ++g) {
       prepare_query_rows(queries.data() + g * group_rows * depth, depth, group_rows, depth,
                          mine.packed_queries.data() + g * group_rows * depth);
@@ -314,10 +321,9 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
           continue;
         }
         if (fused_avx2) {
-          quantized_dot_rows_avx2(queries.data() + r0 * depth, group_rows,
-                                  seq.keys + (c0 + j0) * shape.kv_stride, shape.kv_stride,
-                                  g * depth, count, depth, options.scale, &scores(r0, j0),
-                                  scores.outerStride());
+          dot_rows_avx2(queries.data() + r0 * depth, group_rows,
+                        seq.keys + (c0 + j0) * shape.kv_stride, shape.kv_stride, g * depth, count,
+                        depth, options.scale, &scores(r0, j0), scores.outerStride());
           continue;
         }
         scaled_dot_row_blocks(mine.packed_queries.data() + r0 * depth, group_rows,
@@ -349,10 +355,9 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
       for (Index g = 0; g < shape.kv_heads; ++g) {
         const Index r0 = g * group_rows;
         if (fused_avx2) {
-          quantized_value_rows_avx2(&scores(r0, j0), scores.outerStride(), group_rows,
-                                    seq.values + (c0 + j0) * shape.kv_stride, shape.kv_stride,
-                                    g * value_dim, count, value_dim, j0 == 0, &mine.acc(r0, 0),
-                                    mine.acc.outerStride());
+          value_rows_avx2(&scores(r0, j0), scores.outerStride(), group_rows,
+                          seq.values + (c0 + j0) * shape.kv_stride, shape.kv_stride, g * value_dim,
+                          count, value_dim, j0 == 0, &mine.acc(r0, 0), mine.acc.outerStride());
           continue;
         }
         value_row_blocks(&scores(r0, j0), scores.outerStride(), group_rows,
@@ -402,6 +407,9 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
             scores(r0 + r, j0 + j) = transposed[j * query_panels + r];
           }
         }
+      } else if (float_blocks_avx2) {
+        dot_rows_avx2(queries.data() + r0 * depth, group_rows, head_keys, stride, 0, count, depth,
+                      options.scale, &scores(r0, j0), scores.outerStride());
       } else if (lanes) {
         scaled_dot_lanes(mine.packed_queries.data() + g * query_panels * depth, group_rows,
                          head_keys, stride, count, depth, options.scale, &scores(r0, j0),
@@ -492,6 +500,9 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
           }
         }
 #endif
+      } else if (float_blocks_avx2) {
+        value_rows_avx2(&scores(r0, j0), scores.outerStride(), group_rows, head_values, stride, 0,
+                        count, value_dim, j0 == 0, &mine.acc(r0, 0), mine.acc.outerStride());
       } else {
         accumulate_value_rows(
             &scores(r0, j0), scores.outerStride(), group_rows, head_values, stride, count,

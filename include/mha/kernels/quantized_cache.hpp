@@ -13,7 +13,7 @@
 //
 // A decoding step quantizes its new rows once (quantize_rows). With AVX-512 the decoding kernel's
 // register blocks read the codes and widen them in registers, 16 values at a time
-// (QuantizedRows), and with AVX2 alone 8 at a time (decode_quantized_avx2.hpp); elsewhere it
+// (QuantizedRows), and with AVX2 alone 8 at a time (decode_avx2.hpp); elsewhere it
 // widens a sub-block of rows into a float tile in L1 (dequantize_rows) before its products, as it
 // widens a 16-bit cache. Every code times its scale is exact in float (at most 7 + 8 significant
 // bits), so the vector paths and the scalar one give the same floats.
