@@ -106,8 +106,7 @@ inline bool decode_kernel_applies(const CoreOptions<float>& options) {
 //           two to kDecodePanelsMinRows - 1 rows of a float or 16-bit one;
 //   panels  the packed GEMM's micro-kernel, where it runs (AVX2 and FMA) and the AVX-512 blocks
 //           do not: kDecodePanelsMinRows rows or more, value rows of whole panels (on Zen 3,
-//           sixteen rows in L3 took 0.78 of the time they took by decode_avx2.hpp's blocks,
-//           whose sums across lanes cost what the micro-kernel's broadcasts do not);
+//           sixteen rows in L3 took 0.78 of the time they took by decode_avx2.hpp's blocks);
 //   dots    dot products and weighted sums a row at a time, elsewhere: among others one row (a
 //           query head per key/value head, decoding one token), which reading the cache bounds;
 //           there the cache's rows are read whole, head after head (scaled_dots_by_rows), which
