@@ -59,6 +59,7 @@
 #include "mha/mha.hpp"
 #include "mha/multihead_attention.hpp"
 #include "mha/optim.hpp"
+#include "mha/paged_kv_cache.hpp"
 #include "mha/parameters.hpp"
 #include "mha/print.hpp"
 #include "mha/rotary.hpp"

@@ -143,6 +143,13 @@ class FrozenMultiHeadAttention {
       const std::vector<Index>& new_tokens = {}) const {
     return detail::Decoding<T>::step(layer_.parameters_, x, cache, options, new_tokens, &packed_);
   }
+  ForwardResult<T> decode(
+      TensorView<const T> x, PagedKVCache<T>& cache, const std::vector<Index>& sequences,
+      const ForwardOptions<T>& options = MultiHeadAttention<T>::decode_options(),
+      const std::vector<Index>& new_tokens = {}) const {
+    return detail::Decoding<T>::step(layer_.parameters_, x, cache, sequences, options, new_tokens,
+                                     &packed_);
+  }
 
  private:
   // The projection weights' names: in_proj_weight holds W_q, W_k and W_v as row blocks.

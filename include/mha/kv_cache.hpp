@@ -45,6 +45,30 @@ namespace mha {
 namespace detail {
 template <class T>
 struct Decoding;
+
+// A decoding step's buffers, kept by its cache (KVCache, PagedKVCache) and reused while shapes
+// repeat, so that steps of the same shapes allocate nothing. They are in the layer's compute
+// type (float for a 16-bit cache, whose rows alone are 16-bit); input and output hold a 16-bit
+// layer's step in float.
+template <class T>
+struct DecodeStepBuffers {
+  using Compute = compute_t<T>;
+  Matrix<Compute> queries, new_keys, new_values, attended, input, output;
+  RopeTable<Compute> rope_table;
+  std::vector<KernelScratch<Compute>> kernel;
+  // The decoding kernel's sequences and buffers (kernels/decode.hpp).
+  std::vector<DecodeSequence<T>> sequences;
+  std::vector<DecodeSequence<Q8Block>> q8_sequences;
+  std::vector<DecodeSequence<Q4Block>> q4_sequences;
+  DecodeScratch decode;
+  // A quantized (or paged) cache's rows of one sequence, gathered (and widened) for a step of
+  // many tokens.
+  Matrix<float> widened_keys, widened_values;
+  Matrix<T> gathered_keys, gathered_values;
+  // Precision::bf16's and int8's projections of a step (layer/projections.hpp).
+  Bf16Scratch bf16;
+  Int8Scratch int8;
+};
 }  // namespace detail
 
 // How a KV cache stores its keys and values (see the top): as the layer's type, or quantized in
@@ -63,6 +87,24 @@ inline const char* kv_cache_format_name(KVCacheFormat format) {
   }
   return "as_layer";
 }
+
+namespace detail {
+// A quantized cache's needs: a layer that computes in float and rows of whole blocks.
+template <class T>
+void check_quantizable_cache(KVCacheFormat format, Index num_kv_heads, Index head_dim) {
+  if (!std::is_same_v<compute_t<T>, float>) {
+    throw_argument("format", std::string(kv_cache_format_name(format)) +
+                                 " caches are for layers that compute in float");
+  }
+  if (num_kv_heads * head_dim % kQuantBlock != 0) {
+    throw_argument("format", std::string(kv_cache_format_name(format)) +
+                                 " quantizes blocks of 32 values of a row: expected H_kv·D a "
+                                 "multiple of 32, got " +
+                                 std::to_string(num_kv_heads) + "·" + std::to_string(head_dim) +
+                                 " = " + std::to_string(num_kv_heads * head_dim));
+  }
+}
+}  // namespace detail
 
 template <class T>
 class KVCache {
@@ -94,7 +136,7 @@ class KVCache {
               ", got " + std::to_string(capacity));
     }
     const Index width = num_kv_heads * head_dim;
-    if (quantized()) check_quantizable(width);
+    if (quantized()) detail::check_quantizable_cache<T>(format, num_kv_heads, head_dim);
     // On huge pages: every decoding step reads the whole cache (see Paging).
     if (format == KVCacheFormat::q8) {
       q8_keys_.resize(batch * capacity * (width / detail::kQuantBlock), Paging::huge);
@@ -212,20 +254,6 @@ class KVCache {
     std::copy(tile.data(), tile.data() + out.size(), out.data());
     return out;
   }
-  void check_quantizable(Index width) const {
-    if (!std::is_same_v<detail::compute_t<T>, float>) {
-      detail::throw_argument("format", std::string(kv_cache_format_name(format_)) +
-                                           " caches are for layers that compute in float");
-    }
-    if (width % detail::kQuantBlock != 0) {
-      detail::throw_argument(
-          "format", std::string(kv_cache_format_name(format_)) +
-                        " quantizes blocks of 32 values of a row: expected H_kv·D a multiple of "
-                        "32, got " +
-                        std::to_string(num_kv_heads_) + "·" + std::to_string(head_dim_) + " = " +
-                        std::to_string(width));
-    }
-  }
   // Sequence b's row `row` of keys (or values) in a quantized format's blocks.
   template <class Block>
   Block* block_row(bool values, Index b, Index row) {
@@ -287,23 +315,8 @@ class KVCache {
   detail::AlignedBuffer<detail::Q8Block> q8_keys_, q8_values_;
   detail::AlignedBuffer<detail::Q4Block> q4_keys_, q4_values_;
   std::vector<Index> start_, length_, position_;
-  // The step's buffers, reused while shapes repeat: a cache belongs to one decoding thread. They
-  // are in the layer's compute type (float for a 16-bit cache, whose keys_ and values_ alone
-  // are 16-bit); input_ and output_ hold a 16-bit layer's step in float.
-  using Compute = detail::compute_t<T>;
-  Matrix<Compute> queries_, new_keys_, new_values_, attended_, input_, output_;
-  detail::RopeTable<Compute> rope_table_;
-  std::vector<detail::KernelScratch<Compute>> kernel_;
-  // The decoding kernel's sequences and buffers (kernels/decode.hpp).
-  std::vector<detail::DecodeSequence<T>> decode_sequences_;
-  std::vector<detail::DecodeSequence<detail::Q8Block>> q8_sequences_;
-  std::vector<detail::DecodeSequence<detail::Q4Block>> q4_sequences_;
-  // A quantized cache's rows of one sequence, widened for a step of many tokens.
-  Matrix<float> widened_keys_, widened_values_;
-  detail::DecodeScratch decode_;
-  // Precision::bf16's and int8's projections of a step (layer/projections.hpp).
-  detail::Bf16Scratch bf16_;
-  detail::Int8Scratch int8_;
+  // The step's buffers, reused while shapes repeat: a cache belongs to one decoding thread.
+  detail::DecodeStepBuffers<T> step_;
 };
 
 }  // namespace mha

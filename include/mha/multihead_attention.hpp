@@ -77,6 +77,7 @@
 #include "mha/layer/options.hpp"
 #include "mha/layer/parameters.hpp"
 #include "mha/layer/training.hpp"
+#include "mha/paged_kv_cache.hpp"
 #include "mha/parameters.hpp"
 #include "mha/tensor.hpp"
 
@@ -275,6 +276,13 @@ class MultiHeadAttention {
     return KVCache<T>(batch, num_kv_heads(), head_dim(), capacity, window, format);
   }
 
+  // A paged cache for this layer's keys and values (paged_kv_cache.hpp): a pool of num_pages
+  // pages of page_size tokens (a multiple of 48) that any number of sequences share.
+  PagedKVCache<T> make_paged_kv_cache(Index page_size, Index num_pages,
+                                      KVCacheFormat format = KVCacheFormat::as_layer) const {
+    return PagedKVCache<T>(num_kv_heads(), head_dim(), page_size, num_pages, format);
+  }
+
   // What decode needs by default: causal, no weights.
   static ForwardOptions<T> decode_options() {
     ForwardOptions<T> options;
@@ -300,6 +308,15 @@ class MultiHeadAttention {
   // wider than a sliding cache keeps, a pattern with a sliding cache, and a step that overflows
   // the cache's capacity. Const: a layer serves any number of caches, one thread each.
   ForwardResult<T> decode(TensorView<const T> x, KVCache<T>& cache,
+                          const ForwardOptions<T>& options = decode_options(),
+                          const std::vector<Index>& new_tokens = {}) const;
+  // The same over a paged cache: row b of x [B, n, E] ([n, E] for one sequence) continues the
+  // cache's sequence sequences[b] (distinct ids from add_sequence or fork), whose pages hold its
+  // new keys and values; any set of the cache's sequences may step together, each with its own
+  // count (new_tokens). Also refused, before anything changes: an id the cache does not hold, an
+  // id twice, and a step that needs more pages than are free.
+  ForwardResult<T> decode(TensorView<const T> x, PagedKVCache<T>& cache,
+                          const std::vector<Index>& sequences,
                           const ForwardOptions<T>& options = decode_options(),
                           const std::vector<Index>& new_tokens = {}) const;
 
@@ -340,18 +357,29 @@ ForwardResult<T> MultiHeadAttention<T>::decode(TensorView<const T> x, KVCache<T>
   return detail::Decoding<T>::step(parameters_, x, cache, options, new_tokens);
 }
 
+template <class T>
+ForwardResult<T> MultiHeadAttention<T>::decode(TensorView<const T> x, PagedKVCache<T>& cache,
+                                               const std::vector<Index>& sequences,
+                                               const ForwardOptions<T>& options,
+                                               const std::vector<Index>& new_tokens) const {
+  return detail::Decoding<T>::step(parameters_, x, cache, sequences, options, new_tokens);
+}
+
 // The instantiations mha::compiled holds (src/layer_forward.cpp; see mha/compiled.hpp).
 // NOLINTBEGIN(bugprone-macro-parentheses): the arguments are a type and a keyword
-#define MHA_LAYER_TEMPLATES(PREFIX, T)                                                         \
-  PREFIX template ForwardResult<T> MultiHeadAttention<T>::forward(                             \
-      TensorView<const T>, TensorView<const T>, TensorView<const T>, const ForwardOptions<T>&) \
-      const;                                                                                   \
-  PREFIX template void MultiHeadAttention<T>::forward(                                         \
-      TensorView<const T>, TensorView<const T>, TensorView<const T>, const ForwardOptions<T>&, \
-      Workspace<T>&, ForwardResult<T>&) const;                                                 \
-  PREFIX template ForwardResult<T> MultiHeadAttention<T>::decode(                              \
-      TensorView<const T>, KVCache<T>&, const ForwardOptions<T>&, const std::vector<Index>&)   \
-      const;
+#define MHA_LAYER_TEMPLATES(PREFIX, T)                                                            \
+  PREFIX template ForwardResult<T> MultiHeadAttention<T>::forward(                                \
+      TensorView<const T>, TensorView<const T>, TensorView<const T>, const ForwardOptions<T>&)    \
+      const;                                                                                      \
+  PREFIX template void MultiHeadAttention<T>::forward(                                            \
+      TensorView<const T>, TensorView<const T>, TensorView<const T>, const ForwardOptions<T>&,    \
+      Workspace<T>&, ForwardResult<T>&) const;                                                    \
+  PREFIX template ForwardResult<T> MultiHeadAttention<T>::decode(                                 \
+      TensorView<const T>, KVCache<T>&, const ForwardOptions<T>&, const std::vector<Index>&)      \
+      const;                                                                                      \
+  PREFIX template ForwardResult<T> MultiHeadAttention<T>::decode(                                 \
+      TensorView<const T>, PagedKVCache<T>&, const std::vector<Index>&, const ForwardOptions<T>&, \
+      const std::vector<Index>&) const;
 // NOLINTEND(bugprone-macro-parentheses)
 
 MHA_EXTERN_TEMPLATES(MHA_LAYER_TYPES, MHA_LAYER_TEMPLATES)

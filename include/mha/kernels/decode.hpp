@@ -60,6 +60,17 @@ constexpr Index kDecodePanelsMinRows = 8;
 // empty here.
 constexpr Index kDecodeLanesMinRows = 12;
 
+// A paged cache's pages hold a multiple of this many rows, so that no sub-block of keys or values
+// (kDecodeBlocksSubBlock, kQ4SubBlock, kDecodeSubBlock) spans two pages: a sequence's keys are cut
+// into the same sub-blocks whether its rows lie in pages or in one buffer, and its step gives the
+// same bits. (The lanes' P·V over a whole chunk, which pages do cut, continues its sums across
+// the cut, from acc.)
+constexpr Index kDecodePageGrain = 48;
+static_assert(kDecodeChunk % kDecodePageGrain == 0 && kDecodePageGrain % kDecodeSubBlock == 0 &&
+                  kDecodePageGrain % kDecodeBlocksSubBlock == 0 &&
+                  kDecodePageGrain % kQ4SubBlock == 0,
+              "sub-blocks must not span pages");
+
 template <class Stored>
 struct DecodeSequence {
   const float* queries = nullptr;  // [n, H·D]
@@ -68,6 +79,24 @@ struct DecodeSequence {
   const Stored* values = nullptr;  // [S, H_kv·Dv]
   Index query_count = 0;           // n, 0 for a sequence that sits this step out
   Index key_count = 0;             // S, the new tokens' keys included
+  // A paged cache's sequence: keys and values are its pool's first rows, and the sequence's row j
+  // is the pool's row page_table[j / page_rows] · page_rows + j % page_rows; page_rows a multiple
+  // of kDecodePageGrain. 0: the sequence's rows in order from keys and values.
+  const Index* page_table = nullptr;
+  Index page_rows = 0;
+
+  // Key (value) row j, rows `stride` elements (blocks) apart.
+  const Stored* key_row(Index j, Index stride) const { return keys + pool_row(j) * stride; }
+  const Stored* value_row(Index j, Index stride) const { return values + pool_row(j) * stride; }
+  // Rows from row j to the end of its page (or of the buffer: any number).
+  Index rows_in_page(Index j) const {
+    return page_rows > 0 ? page_rows - j % page_rows : std::numeric_limits<Index>::max();
+  }
+
+ private:
+  Index pool_row(Index j) const {
+    return page_rows > 0 ? page_table[j / page_rows] * page_rows + j % page_rows : j;
+  }
 };
 
 struct DecodeShape {
@@ -231,9 +260,17 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
   };
   // A sub-block of rows [j0, j0 + count) of the chunk's keys or values, as float rows `stride`
   // apart: the cache's own rows, or a 16-bit cache's widened into `tile`.
-  const auto sub_block = [&](const Stored* base, Index j0, Index count, Index width,
-                             Matrix<float>& tile, Index& stride) -> const float* {
-    const Stored* stored = base + (c0 + j0) * shape.kv_stride;
+  // The chunk's key (values = false) or value row j, in the cache's buffer or its page.
+  const auto cache_row = [&](bool values, Index j) {
+    return values ? seq.value_row(c0 + j, shape.kv_stride) : seq.key_row(c0 + j, shape.kv_stride);
+  };
+  // Rows of a sub-block from the chunk's row j0: at most `sub`, within the chunk and the page.
+  const auto sub_rows = [&](Index j0, Index sub) {
+    return std::min({sub, cols - j0, seq.rows_in_page(c0 + j0)});
+  };
+  const auto sub_block = [&](bool values, Index j0, Index count, Index width, Matrix<float>& tile,
+                             Index& stride) -> const float* {
+    const Stored* stored = cache_row(values, j0);
     stride = shape.kv_stride;
     if constexpr (std::is_same_v<Stored, float>) {
       return stored;
@@ -253,24 +290,25 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
   // read each row once, in order, which the hardware's prefetchers follow: there, requests of
   // their own cost a quarter of the speed (Zen 5, B = 8, H_kv = 16: 30 GB/s with them, 41
   // without, bench/RESULTS.md 2026-12-02, fourth session).
-  const auto prefetch = [&](const Stored* base, Index j0, Index count, Index width) {
+  const auto prefetch = [&](bool values, Index j0, Index count, Index width) {
     // (A quantized cache's rows are read in order as they are widened.)
     if (!panels || is_quantized_block_v<Stored>) return;
     constexpr Index kLine = 64 / static_cast<Index>(sizeof(Stored));
-    for (Index j = c0 + j0; j < c0 + j0 + count; ++j) {
-      for (Index d = 0; d < width; d += kLine) __builtin_prefetch(base + j * shape.kv_stride + d);
+    for (Index j = j0; j < j0 + count; ++j) {
+      const Stored* row = cache_row(values, j);
+      for (Index d = 0; d < width; d += kLine) __builtin_prefetch(row + d);
     }
   };
 
   // The float cache's rows [c0 + j0, + sub) of one key/value head (its columns from `column`),
   // which the register blocks request while they multiply the rows before. (Widened 16-bit rows
   // are in cache already.)
-  const auto rows_ahead = [&](const Stored* base, Index j0, Index sub, Index column) {
+  const auto rows_ahead = [&](bool values, Index j0, Index sub, Index column) {
     if constexpr (std::is_same_v<Stored, float>) {
       if (group_rows < 4) return RowsAhead{};
-      return RowsAhead{base + (c0 + j0) * shape.kv_stride + column, std::min(sub, cols - j0)};
+      return RowsAhead{cache_row(values, j0) + column, sub_rows(j0, sub)};
     } else {
-      arguments_unused(base, j0, sub, column);
+      arguments_unused(values, j0, sub, column);
       return RowsAhead{};
     }
   };
@@ -286,8 +324,8 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
   // The rows that pass 1 reads after the keys [c0, c0 + end) of key/value head g: the next
   // sub-block's keys, or after the last, the values' first sub-block.
   const auto next_rows = [&](Index end, Index g) {
-    return end < cols ? rows_ahead(seq.keys, end, key_sub, g * depth)
-                      : rows_ahead(seq.values, 0, value_sub, g * value_dim);
+    return end < cols ? rows_ahead(false, end, key_sub, g * depth)
+                      : rows_ahead(true, 0, value_sub, g * value_dim);
   };
 
   // A quantized cache's keys [c0 + j0, + count) into every key/value head's scores, and its
@@ -300,9 +338,8 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
         for (Index g = 0; g < shape.kv_heads; ++g) {
           const Index r0 = g * group_rows;
           q4_scaled_dot_rows(q4_queries + r0 * q4_row_bytes, q4_row_bytes, group_rows,
-                             seq.keys + (c0 + j0) * shape.kv_stride + g * depth / kQuantBlock,
-                             shape.kv_stride, count, depth, options.scale, &scores(r0, j0),
-                             scores.outerStride());
+                             cache_row(false, j0) + g * depth / kQuantBlock, shape.kv_stride, count,
+                             depth, options.scale, &scores(r0, j0), scores.outerStride());
         }
         return;
       }
@@ -313,23 +350,21 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
         if (q4_avx2) {
           if constexpr (std::is_same_v<Stored, Q4Block>) {
             q4_dot_rows_avx2(q4_queries + r0 * q4_row_bytes_avx2, q4_row_bytes_avx2, group_rows,
-                             seq.keys + (c0 + j0) * shape.kv_stride + g * depth / kQuantBlock,
-                             shape.kv_stride, count, depth, options.scale, &scores(r0, j0),
-                             scores.outerStride());
+                             cache_row(false, j0) + g * depth / kQuantBlock, shape.kv_stride, count,
+                             depth, options.scale, &scores(r0, j0), scores.outerStride());
           }
           continue;
         }
         if (fused_avx2) {
-          dot_rows_avx2(queries.data() + r0 * depth, group_rows,
-                        seq.keys + (c0 + j0) * shape.kv_stride, shape.kv_stride, g * depth, count,
-                        depth, options.scale, &scores(r0, j0), scores.outerStride());
+          dot_rows_avx2(queries.data() + r0 * depth, group_rows, cache_row(false, j0),
+                        shape.kv_stride, g * depth, count, depth, options.scale, &scores(r0, j0),
+                        scores.outerStride());
           continue;
         }
-        scaled_dot_row_blocks(mine.packed_queries.data() + r0 * depth, group_rows,
-                              QuantizedRows<Stored>{seq.keys + (c0 + j0) * shape.kv_stride,
-                                                    shape.kv_stride, g * depth},
-                              count, depth, options.scale, &scores(r0, j0), scores.outerStride(),
-                              RowsAhead{});
+        scaled_dot_row_blocks(
+            mine.packed_queries.data() + r0 * depth, group_rows,
+            QuantizedRows<Stored>{cache_row(false, j0), shape.kv_stride, g * depth}, count, depth,
+            options.scale, &scores(r0, j0), scores.outerStride(), RowsAhead{});
       }
     }
 #endif
@@ -342,8 +377,8 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
         for (Index g = 0; g < shape.kv_heads; ++g) {
           const Index r0 = g * group_rows;
           q4_value_rows(&scores(r0, j0), scores.outerStride(), group_rows,
-                        seq.values + (c0 + j0) * shape.kv_stride + g * value_dim / kQuantBlock,
-                        shape.kv_stride, count, value_dim, j0 == 0,
+                        cache_row(true, j0) + g * value_dim / kQuantBlock, shape.kv_stride, count,
+                        value_dim, j0 == 0,
                         reinterpret_cast<std::uint16_t*>(mine.weight_rows.data()), &mine.acc(r0, 0),
                         mine.acc.outerStride());
         }
@@ -354,14 +389,13 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
       for (Index g = 0; g < shape.kv_heads; ++g) {
         const Index r0 = g * group_rows;
         if (fused_avx2) {
-          value_rows_avx2(&scores(r0, j0), scores.outerStride(), group_rows,
-                          seq.values + (c0 + j0) * shape.kv_stride, shape.kv_stride, g * value_dim,
-                          count, value_dim, j0 == 0, &mine.acc(r0, 0), mine.acc.outerStride());
+          value_rows_avx2(&scores(r0, j0), scores.outerStride(), group_rows, cache_row(true, j0),
+                          shape.kv_stride, g * value_dim, count, value_dim, j0 == 0,
+                          &mine.acc(r0, 0), mine.acc.outerStride());
           continue;
         }
         value_row_blocks(&scores(r0, j0), scores.outerStride(), group_rows,
-                         QuantizedRows<Stored>{seq.values + (c0 + j0) * shape.kv_stride,
-                                               shape.kv_stride, g * value_dim},
+                         QuantizedRows<Stored>{cache_row(true, j0), shape.kv_stride, g * value_dim},
                          count, value_dim, j0 == 0, &mine.acc(r0, 0), mine.acc.outerStride(),
                          RowsAhead{});
       }
@@ -371,20 +405,19 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
   };
 
   // pass 1: scores, a sub-block of keys at a time for every key/value head.
-  for (Index j0 = 0; j0 < cols; j0 += key_sub) {
-    const Index count = std::min(key_sub, cols - j0);
+  for (Index j0 = 0, count = 0; j0 < cols; j0 += count) {
+    count = sub_rows(j0, key_sub);
     if (j0 + count < cols) {
-      prefetch(seq.keys, j0 + count, std::min(key_sub, cols - j0 - count), shape.kv_heads * depth);
+      prefetch(false, j0 + count, sub_rows(j0 + count, key_sub), shape.kv_heads * depth);
     } else {
-      prefetch(seq.values, 0, std::min(value_sub, cols), shape.kv_heads * value_dim);
+      prefetch(true, 0, sub_rows(0, value_sub), shape.kv_heads * value_dim);
     }
     if (fused) {
       quantized_scores(j0, count);
       continue;
     }
     Index stride = 0;
-    const float* keys =
-        sub_block(seq.keys, j0, count, shape.kv_heads * depth, mine.key_tile, stride);
+    const float* keys = sub_block(false, j0, count, shape.kv_heads * depth, mine.key_tile, stride);
     if (by_rows) {
       scaled_dots_by_rows(queries.data(), shape.kv_heads, keys, stride, count, depth, options.scale,
                           &scores(0, j0), scores.outerStride());
@@ -456,11 +489,10 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
   // pass 3: acc += p v, a sub-block of values at a time for every key/value head; the sums in
   // acc, [H·n, Dv] (the panels': [H_kv · tile_rows, Dv], each group's rows padded to whole
   // micro-tiles).
-  for (Index j0 = 0; j0 < cols; j0 += value_sub) {
-    const Index count = std::min(value_sub, cols - j0);
+  for (Index j0 = 0, count = 0; j0 < cols; j0 += count) {
+    count = sub_rows(j0, value_sub);
     if (j0 + count < cols) {
-      prefetch(seq.values, j0 + count, std::min(value_sub, cols - j0 - count),
-               shape.kv_heads * value_dim);
+      prefetch(true, j0 + count, sub_rows(j0 + count, value_sub), shape.kv_heads * value_dim);
     }
     if (fused) {
       quantized_values(j0, count);
@@ -468,7 +500,7 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
     }
     Index stride = 0;
     const float* values =
-        sub_block(seq.values, j0, count, shape.kv_heads * value_dim, mine.value_tile, stride);
+        sub_block(true, j0, count, shape.kv_heads * value_dim, mine.value_tile, stride);
     if (by_rows) {
       if (j0 == 0) mine.acc.topRows(rows).setZero();
       accumulate_by_rows(&scores(0, j0), scores.outerStride(), shape.kv_heads, values, stride,
@@ -507,7 +539,7 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
             &scores(r0, j0), scores.outerStride(), group_rows, head_values, stride, count,
             value_dim, j0 == 0, &mine.acc(r0, 0), mine.acc.outerStride(),
             value_sub == kDecodeChunk ? values_ahead(head_values, stride, count)
-            : j0 + count < cols       ? rows_ahead(seq.values, j0 + count, value_sub, g * value_dim)
+            : j0 + count < cols       ? rows_ahead(true, j0 + count, value_sub, g * value_dim)
                                       : RowsAhead{});
       }
     }

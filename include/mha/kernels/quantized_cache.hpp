@@ -310,27 +310,34 @@ __attribute__((target("avx2"))) void dequantize_rows_avx2(const Block* src, Inde
 }
 #endif
 
-// rows × width values of quantized rows `stride` blocks apart into the first rows of `dst` (a
-// row-major matrix of at least `rows` rows of `width` columns): the decoding kernel's tile.
+// rows × width values of quantized rows `stride` blocks apart into rows of dst, dst_stride floats
+// apart.
 template <class Block>
-void dequantize_rows(const Block* src, Index rows, Index width, Index stride, Matrix<float>& dst) {
-  const Index dst_stride = dst.cols();
+void dequantize_rows(const Block* src, Index rows, Index width, Index stride, float* dst,
+                     Index dst_stride) {
 #ifdef MHA_PACKED_GEMM_X86
   if (cpu_has_avx512f()) {
-    dequantize_rows_avx512(src, rows, width, stride, dst.data(), dst_stride);
+    dequantize_rows_avx512(src, rows, width, stride, dst, dst_stride);
     return;
   }
   if (cpu_has_avx2_fma()) {
-    dequantize_rows_avx2(src, rows, width, stride, dst.data(), dst_stride);
+    dequantize_rows_avx2(src, rows, width, stride, dst, dst_stride);
     return;
   }
 #endif
   for (Index r = 0; r < rows; ++r) {
-    float* row = dst.data() + r * dst_stride;
+    float* row = dst + r * dst_stride;
     for (Index i = 0; i < width; ++i) {
       row[i] = dequantized(src[r * stride + i / kQuantBlock], i % kQuantBlock);
     }
   }
+}
+
+// ... into the first rows of `dst` (a row-major matrix of at least `rows` rows of `width`
+// columns): the decoding kernel's tile.
+template <class Block>
+void dequantize_rows(const Block* src, Index rows, Index width, Index stride, Matrix<float>& dst) {
+  dequantize_rows(src, rows, width, stride, dst.data(), dst.cols());
 }
 
 }  // namespace mha::detail

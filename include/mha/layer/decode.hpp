@@ -1,6 +1,7 @@
 // Decoding with a KV cache: each step projects only the new tokens x [B, n, E] (or [n, E] for a
 // cache of one sequence), appends their keys and values [n, H_kv·D] (rotated at their absolute
-// positions) to each sequence's cache (kv_cache.hpp), and attends to that sequence's cached
+// positions) to each sequence's cache (kv_cache.hpp, or a paged cache's pages: paged_kv_cache.hpp),
+// and attends to that sequence's cached
 // [length, H_kv·D] keys and values, bottom-right aligned: the output is that of one causal
 // forward over the whole sequence, for the new tokens.
 #pragma once
@@ -17,12 +18,15 @@
 #include "mha/layer/forward.hpp"
 #include "mha/layer/parameters.hpp"
 #include "mha/layer/projections.hpp"
+#include "mha/paged_kv_cache.hpp"
 #include "mha/rotary.hpp"
 
 namespace mha::detail {
 
-// The decoding room: a struct rather than free functions because it reads the cache's own rows
-// and buffers (KVCache befriends it).
+// The decoding room: a struct rather than free functions because it reads the caches' own rows
+// and buffers (KVCache and PagedKVCache befriend it). One step runs the same way over either
+// cache (run); the two differ only in where a sequence's rows live, which Contiguous and Paged
+// below tell it.
 template <class T>
 struct Decoding {
   using Compute = compute_t<T>;
@@ -33,63 +37,297 @@ struct Decoding {
   static ForwardResult<T> step(const LayerParameters<T>& parameters, const TensorView<const T>& x,
                                KVCache<T>& cache, const ForwardOptions<T>& options,
                                const std::vector<Index>& new_tokens,
-                               const PackedProjections* packed = nullptr);
-
-  // A step's `count` new rows of keys and values [count, H_kv·D] into sequence b's cache from row
-  // `first`: narrowed to the layer's type, or quantized.
-  static void store_rows(KVCache<T>& cache, Index b, Index first, Index count, const Compute* keys,
-                         const Compute* values) {
-    const Index width = cache.width();
-    if constexpr (std::is_same_v<Compute, float>) {
-      if (cache.format() == KVCacheFormat::q8) {
-        quantize_rows(keys, count, width, cache.template block_row<Q8Block>(false, b, first));
-        quantize_rows(values, count, width, cache.template block_row<Q8Block>(true, b, first));
-        return;
-      }
-      if (cache.format() == KVCacheFormat::q4) {
-        quantize_rows(keys, count, width, cache.template block_row<Q4Block>(false, b, first));
-        quantize_rows(values, count, width, cache.template block_row<Q4Block>(true, b, first));
-        return;
-      }
+                               const PackedProjections* packed = nullptr) {
+    Contiguous steps{cache};
+    return run(parameters, x, steps, options, new_tokens, packed);
+  }
+  // ... over a paged cache's `sequences` (row b of x is sequence sequences[b]'s).
+  static ForwardResult<T> step(const LayerParameters<T>& parameters, const TensorView<const T>& x,
+                               PagedKVCache<T>& cache, const std::vector<Index>& sequences,
+                               const ForwardOptions<T>& options,
+                               const std::vector<Index>& new_tokens,
+                               const PackedProjections* packed = nullptr) {
+    if (sequences.empty()) {
+      throw_argument("sequences", "expected at least one sequence id, got none");
     }
-    narrow(keys, count * width, cache.key_row(b, first));
-    narrow(values, count * width, cache.value_row(b, first));
+    Paged steps{cache, sequences};
+    return run(parameters, x, steps, options, new_tokens, packed);
   }
 
-  // A quantized cache's rows [start, start + rows) of sequence b, widened into its float buffers.
-  static void widen_cached(KVCache<T>& cache, Index b, Index start, Index rows) {
-    const Index width = cache.width(), blocks = width / kQuantBlock;
-    cache.widened_keys_.resize(rows, width);
-    cache.widened_values_.resize(rows, width);
-    if (cache.format() == KVCacheFormat::q8) {
-      dequantize_rows(cache.template block_row<Q8Block>(false, b, start), rows, width, blocks,
-                      cache.widened_keys_);
-      dequantize_rows(cache.template block_row<Q8Block>(true, b, start), rows, width, blocks,
-                      cache.widened_values_);
+ private:
+  // A step's `count` new rows of keys and values [count, H_kv·D] narrowed to the layer's type, or
+  // quantized, at `key_row` and `value_row` (a quantized format's blocks: Stored).
+  template <class Stored>
+  static void store_rows(Index count, Index width, const Compute* keys, const Compute* values,
+                         Stored* key_row, Stored* value_row) {
+    if constexpr (is_quantized_block_v<Stored>) {
+      if constexpr (std::is_same_v<Compute, float>) {  // (only such a layer's cache is quantized)
+        quantize_rows(keys, count, width, key_row);
+        quantize_rows(values, count, width, value_row);
+      }
     } else {
-      dequantize_rows(cache.template block_row<Q4Block>(false, b, start), rows, width, blocks,
-                      cache.widened_keys_);
-      dequantize_rows(cache.template block_row<Q4Block>(true, b, start), rows, width, blocks,
-                      cache.widened_values_);
+      narrow(keys, count * width, key_row);
+      narrow(values, count * width, value_row);
     }
   }
+
+  // A KVCache's sequences, as a step sees them: sequence b is the cache's row b.
+  struct Contiguous {
+    KVCache<T>& cache;
+    // Each sequence's first key row: where its rows begin (after reserve, before advance).
+    std::vector<Index> starts{};
+
+    Index batch() const { return cache.batch(); }
+    DecodeStepBuffers<T>& buffers() { return cache.step_; }
+    Index num_kv_heads() const { return cache.num_kv_heads(); }
+    Index head_dim() const { return cache.head_dim(); }
+    Index length(Index b) const { return cache.length(b); }
+    Index position(Index b) const { return cache.position(b); }
+    KVCacheFormat format() const { return cache.format(); }
+
+    // What the cache refuses of a step of counts[b] tokens, before anything changes.
+    void check(const ForwardOptions<T>& options, const std::vector<Index>& counts) const {
+      for (Index b = 0; b < batch(); ++b) {
+        const Index count = counts[static_cast<std::size_t>(b)];
+        if (cache.length(b) + count > cache.capacity()) {
+          throw_argument("cache", "sequence " + std::to_string(b) + " holds " +
+                                      std::to_string(cache.length(b)) + " keys of its capacity " +
+                                      std::to_string(cache.capacity()) + "; " +
+                                      std::to_string(count) + " more do not fit");
+        }
+      }
+      if (cache.sliding() && (options.window.left < 0 || options.window.left > cache.window())) {
+        throw_argument("window.left",
+                       "a sliding-window cache keeping the last " + std::to_string(cache.window()) +
+                           " keys serves windows of at most that many keys to the left, got " +
+                           std::to_string(options.window.left) +
+                           (options.window.left < 0 ? " (unbounded)" : ""));
+      }
+      if (cache.sliding() && options.pattern.active()) {
+        throw_argument("pattern",
+                       "global tokens and block layouts are over absolute positions, which a "
+                       "sliding-window cache drops: use a cache that keeps every token");
+      }
+    }
+
+    // Sequence b's `count` new rows into its cache; returns the keys its step attends to.
+    Index append(Index b, Index count, const Compute* keys, const Compute* values) {
+      const Index first = cache.reserve(b, count);
+      const Index width = cache.width();
+      if (cache.format() == KVCacheFormat::q8) {
+        store_rows(count, width, keys, values, cache.template block_row<Q8Block>(false, b, first),
+                   cache.template block_row<Q8Block>(true, b, first));
+      } else if (cache.format() == KVCacheFormat::q4) {
+        store_rows(count, width, keys, values, cache.template block_row<Q4Block>(false, b, first),
+                   cache.template block_row<Q4Block>(true, b, first));
+      } else {
+        store_rows(count, width, keys, values, cache.key_row(b, first), cache.value_row(b, first));
+      }
+      starts.resize(static_cast<std::size_t>(batch()));
+      const Index start = cache.start_[static_cast<std::size_t>(b)];
+      starts[static_cast<std::size_t>(b)] = start;
+      return first + count - start;
+    }
+
+    // Sequence b's step for the decoding kernel, in the list of its storage type.
+    void add_to_kernel(Index b, const float* queries, float* attended, Index count, Index keys) {
+      const Index start = starts[static_cast<std::size_t>(b)];
+      if (cache.format() == KVCacheFormat::q8) {
+        cache.step_.q8_sequences.push_back(
+            {queries, attended, cache.template block_row<Q8Block>(false, b, start),
+             cache.template block_row<Q8Block>(true, b, start), count, keys});
+      } else if (cache.format() == KVCacheFormat::q4) {
+        cache.step_.q4_sequences.push_back(
+            {queries, attended, cache.template block_row<Q4Block>(false, b, start),
+             cache.template block_row<Q4Block>(true, b, start), count, keys});
+      } else {
+        cache.step_.sequences.push_back(
+            {queries, attended, cache.key_row(b, start), cache.value_row(b, start), count, keys});
+      }
+    }
+
+    // attend(keys, values) with sequence b's `rows` cached rows [rows, H_kv·D] in one buffer each:
+    // the cache's own, or a quantized cache's widened into the step's buffers.
+    template <class Attend>
+    void with_rows(Index b, Index rows, Attend&& attend) {
+      const Index start = starts[static_cast<std::size_t>(b)];
+      const Index width = cache.width(), blocks = width / kQuantBlock;
+      auto& step = cache.step_;
+      if (cache.format() == KVCacheFormat::as_layer || !std::is_same_v<Compute, float>) {
+        attend(static_cast<const T*>(cache.key_row(b, start)),
+               static_cast<const T*>(cache.value_row(b, start)));
+        return;
+      }
+      step.widened_keys.resize(rows, width);
+      step.widened_values.resize(rows, width);
+      if (cache.format() == KVCacheFormat::q8) {
+        dequantize_rows(cache.template block_row<Q8Block>(false, b, start), rows, width, blocks,
+                        step.widened_keys);
+        dequantize_rows(cache.template block_row<Q8Block>(true, b, start), rows, width, blocks,
+                        step.widened_values);
+      } else {
+        dequantize_rows(cache.template block_row<Q4Block>(false, b, start), rows, width, blocks,
+                        step.widened_keys);
+        dequantize_rows(cache.template block_row<Q4Block>(true, b, start), rows, width, blocks,
+                        step.widened_values);
+      }
+      if constexpr (std::is_same_v<Compute, float>) {  // (only such a layer's cache is quantized)
+        attend(static_cast<const float*>(step.widened_keys.data()),
+               static_cast<const float*>(step.widened_values.data()));
+      }
+    }
+
+    // After sequence b's step: a sliding cache may drop its oldest keys (no rows move).
+    void advance(Index b, Index count) { cache.advance(b, count); }
+  };
+
+  // A paged cache's sequences of a step: sequence b is the cache's sequences[b].
+  struct Paged {
+    PagedKVCache<T>& cache;
+    const std::vector<Index>& ids;
+
+    Index batch() const { return static_cast<Index>(ids.size()); }
+    DecodeStepBuffers<T>& buffers() { return cache.step_; }
+    Index num_kv_heads() const { return cache.num_kv_heads(); }
+    Index head_dim() const { return cache.head_dim(); }
+    Index id(Index b) const { return ids[static_cast<std::size_t>(b)]; }
+    Index length(Index b) const { return cache.length(id(b)); }
+    Index position(Index b) const { return cache.position(id(b)); }
+    KVCacheFormat format() const { return cache.format(); }
+
+    void check(const ForwardOptions<T>& options, const std::vector<Index>& counts) const {
+      arguments_unused(options);
+      for (Index b = 0; b < batch(); ++b) {
+        cache.checked(id(b));  // (throws for an id the cache does not hold)
+        for (Index other = 0; other < b; ++other) {
+          if (id(other) == id(b)) {
+            throw_argument("sequences", "expected distinct ids, got " + std::to_string(id(b)) +
+                                            " at " + std::to_string(other) + " and " +
+                                            std::to_string(b));
+          }
+        }
+      }
+      const Index needed = cache.pages_needed(ids, counts);
+      if (needed > cache.free_pages()) {
+        throw_argument("cache", "the step needs " + std::to_string(needed) + " free pages of " +
+                                    std::to_string(cache.page_size()) + " tokens, the pool has " +
+                                    std::to_string(cache.free_pages()) + " of " +
+                                    std::to_string(cache.num_pages()) +
+                                    " (remove or truncate sequences, or make a larger pool)");
+      }
+    }
+
+    Index append(Index b, Index count, const Compute* keys, const Compute* values) {
+      const Index sequence = id(b), first = cache.length(sequence);
+      cache.reserve(sequence, count);
+      const Index width = cache.width(), blocks = cache.blocks(), page = cache.page_size();
+      // A page's worth of rows at a time.
+      for (Index j = first, done = 0; done < count; j += page - j % page) {
+        const Index rows = std::min(page - j % page, count - done);
+        const Index at = cache.pool_row(sequence, j);
+        const Compute* k = keys + done * width;
+        const Compute* v = values + done * width;
+        if (cache.format() == KVCacheFormat::q8) {
+          store_rows(rows, width, k, v, cache.q8_keys_.data() + at * blocks,
+                     cache.q8_values_.data() + at * blocks);
+        } else if (cache.format() == KVCacheFormat::q4) {
+          store_rows(rows, width, k, v, cache.q4_keys_.data() + at * blocks,
+                     cache.q4_values_.data() + at * blocks);
+        } else {
+          store_rows(rows, width, k, v, cache.keys_.data() + at * width,
+                     cache.values_.data() + at * width);
+        }
+        done += rows;
+      }
+      cache.checked(sequence).length = first + count;
+      return first + count;
+    }
+
+    void add_to_kernel(Index b, const float* queries, float* attended, Index count, Index keys) {
+      const Index* table = cache.page_table(id(b)).data();
+      const Index page = cache.page_size();
+      if (cache.format() == KVCacheFormat::q8) {
+        cache.step_.q8_sequences.push_back({queries, attended, cache.q8_keys_.data(),
+                                            cache.q8_values_.data(), count, keys, table, page});
+      } else if (cache.format() == KVCacheFormat::q4) {
+        cache.step_.q4_sequences.push_back({queries, attended, cache.q4_keys_.data(),
+                                            cache.q4_values_.data(), count, keys, table, page});
+      } else {
+        cache.step_.sequences.push_back({queries, attended, cache.keys_.data(),
+                                         cache.values_.data(), count, keys, table, page});
+      }
+    }
+
+    // attend(keys, values) with sequence b's `rows` rows gathered from its pages (widened from a
+    // quantized cache's) into the step's buffers.
+    template <class Attend>
+    void with_rows(Index b, Index rows, Attend&& attend) {
+      const Index sequence = id(b), width = cache.width(), blocks = cache.blocks();
+      const Index page = cache.page_size();
+      auto& step = cache.step_;
+      const bool as_layer = cache.format() == KVCacheFormat::as_layer;
+      if (as_layer) {
+        step.gathered_keys.resize(rows, width);
+        step.gathered_values.resize(rows, width);
+      } else {
+        step.widened_keys.resize(rows, width);
+        step.widened_values.resize(rows, width);
+      }
+      for (Index j = 0; j < rows; j += page) {
+        const Index count = std::min(page, rows - j), at = cache.pool_row(sequence, j);
+        if (cache.format() == KVCacheFormat::q8) {
+          dequantize_rows(cache.q8_keys_.data() + at * blocks, count, width, blocks,
+                          step.widened_keys.data() + j * width, width);
+          dequantize_rows(cache.q8_values_.data() + at * blocks, count, width, blocks,
+                          step.widened_values.data() + j * width, width);
+        } else if (cache.format() == KVCacheFormat::q4) {
+          dequantize_rows(cache.q4_keys_.data() + at * blocks, count, width, blocks,
+                          step.widened_keys.data() + j * width, width);
+          dequantize_rows(cache.q4_values_.data() + at * blocks, count, width, blocks,
+                          step.widened_values.data() + j * width, width);
+        } else {
+          const T* k = cache.keys_.data() + at * width;
+          const T* v = cache.values_.data() + at * width;
+          std::copy(k, k + count * width, step.gathered_keys.data() + j * width);
+          std::copy(v, v + count * width, step.gathered_values.data() + j * width);
+        }
+      }
+      if (as_layer) {
+        attend(static_cast<const T*>(step.gathered_keys.data()),
+               static_cast<const T*>(step.gathered_values.data()));
+      } else if constexpr (std::is_same_v<Compute, float>) {  // (as Contiguous::with_rows)
+        attend(static_cast<const float*>(step.widened_keys.data()),
+               static_cast<const float*>(step.widened_values.data()));
+      }
+    }
+
+    void advance(Index b, Index count) { arguments_unused(b, count); }  // (append did)
+  };
 
   // Every check of a step, before anything changes; returns n.
+  template <class Steps>
   static Index check(const LayerParameters<T>& parameters, const TensorView<const T>& x,
-                     const KVCache<T>& cache, const ForwardOptions<T>& options,
+                     const Steps& steps, const ForwardOptions<T>& options,
                      const std::vector<Index>& new_tokens);
+
+  template <class Steps>
+  static ForwardResult<T> run(const LayerParameters<T>& parameters, const TensorView<const T>& x,
+                              Steps& steps, const ForwardOptions<T>& options,
+                              const std::vector<Index>& new_tokens,
+                              const PackedProjections* packed);
 };
 
 template <class T>
-ForwardResult<T> Decoding<T>::step(const LayerParameters<T>& parameters,
-                                   const TensorView<const T>& x, KVCache<T>& cache,
-                                   const ForwardOptions<T>& options,
-                                   const std::vector<Index>& new_tokens,
-                                   const PackedProjections* packed) {
+template <class Steps>
+ForwardResult<T> Decoding<T>::run(const LayerParameters<T>& parameters,
+                                  const TensorView<const T>& x, Steps& steps,
+                                  const ForwardOptions<T>& options,
+                                  const std::vector<Index>& new_tokens,
+                                  const PackedProjections* packed) {
   const Index heads = parameters.num_heads(), head_dim = parameters.head_dim();
   const Index width = parameters.kv_dim(), inner = parameters.inner_dim();
-  const Index batch = cache.batch();
-  const Index steps = check(parameters, x, cache, options, new_tokens);
+  const Index batch = steps.batch();
+  const Index n = check(parameters, x, steps, options, new_tokens);
   if (options.precision != Precision::fp32 && packed == nullptr) {
     throw_argument("precision",
                    std::string("decode computes in ") + precision_name(options.precision) +
@@ -97,14 +335,15 @@ ForwardResult<T> Decoding<T>::step(const LayerParameters<T>& parameters,
                        "at every step): decode through a FrozenMultiHeadAttention, or with "
                        "Precision::fp32");
   }
+  DecodeStepBuffers<T>& buffers = steps.buffers();
   // A frozen layer's projections by its packings: in bf16 by its bf16 panels (where the CPU has
   // AVX512_BF16), in int8 by its int8 panels, or by its int8 values for a few rows
   // (FrozenWeights::int8); the attention over the cache stays fp32, bound by reading the cache
   // rather than by products.
   const ProjectionArithmetic arithmetic = projection_arithmetic(options.precision, packed);
-  cache.bf16_.forget();
+  buffers.bf16.forget();
   const auto route = [&](int which) {
-    return projection_route(packed, arithmetic, cache.bf16_, cache.int8_, which);
+    return projection_route(packed, arithmetic, buffers.bf16, buffers.int8, which);
   };
   const Kernel kernel = layer_kernel(parameters, options.kernel, false);
   const Index rotary_dim = options.rope ? checked_rotary_dim(*options.rope, head_dim) : 0;
@@ -119,16 +358,16 @@ ForwardResult<T> Decoding<T>::step(const LayerParameters<T>& parameters,
   core.talking_heads = parameters.talking_heads();
 
   // Every sequence's n rows projected at once; padding rows too (cheaper than gathering).
-  const auto input = as_compute(x, cache.input_);  // [B*n, E]
-  Matrix<Compute>* projected[] = {&cache.queries_, &cache.new_keys_, &cache.new_values_};
+  const auto input = as_compute(x, buffers.input);  // [B*n, E]
+  Matrix<Compute>* projected[] = {&buffers.queries, &buffers.new_keys, &buffers.new_values};
   for (int which = 0; which < 3; ++which) {
     projected[which]->resize(input.rows(), parameters.projection_width(which));
     project_rows<Compute>(strided(*projected[which]), const_strided(input),
-                          parameters.weight_rows(which), route(which), cache.kernel_);
+                          parameters.weight_rows(which), route(which), buffers.kernel);
     add_bias(parameters, *projected[which], which);
   }
-  cache.attended_.resize(input.rows(), inner);
-  cache.attended_.setZero();
+  buffers.attended.resize(input.rows(), inner);
+  buffers.attended.setZero();
 
   // Sequences of a few new tokens go to the decoding kernel together, in one parallel pass
   // (kernels/decode.hpp); longer steps (a prompt) and what that kernel does not compute go to
@@ -137,42 +376,28 @@ ForwardResult<T> Decoding<T>::step(const LayerParameters<T>& parameters,
   if constexpr (std::is_same_v<Compute, float>) {
     batched = kernel == Kernel::flash && !options.pattern.active() && decode_kernel_applies(core);
   }
-  cache.decode_sequences_.clear();
-  cache.q8_sequences_.clear();
-  cache.q4_sequences_.clear();
+  buffers.sequences.clear();
+  buffers.q8_sequences.clear();
+  buffers.q4_sequences.clear();
   for (Index b = 0; b < batch; ++b) {
-    const Index count = new_tokens.empty() ? steps : new_tokens[static_cast<std::size_t>(b)];
+    const Index count = new_tokens.empty() ? n : new_tokens[static_cast<std::size_t>(b)];
     if (count == 0) continue;
-    Compute* queries = cache.queries_.data() + b * steps * inner;
-    Compute* keys = cache.new_keys_.data() + b * steps * width;
-    Compute* values = cache.new_values_.data() + b * steps * width;
+    Compute* queries = buffers.queries.data() + b * n * inner;
+    Compute* keys = buffers.new_keys.data() + b * n * width;
+    Compute* values = buffers.new_values.data() + b * n * width;
     if (options.rope) {
-      cache.rope_table_.fill(*options.rope, rotary_dim, cache.position(b), count);
-      rotate_heads(queries, count, inner, heads, head_dim, cache.rope_table_, false);
-      rotate_heads(keys, count, width, parameters.num_kv_heads(), head_dim, cache.rope_table_,
+      buffers.rope_table.fill(*options.rope, rotary_dim, steps.position(b), count);
+      rotate_heads(queries, count, inner, heads, head_dim, buffers.rope_table, false);
+      rotate_heads(keys, count, width, parameters.num_kv_heads(), head_dim, buffers.rope_table,
                    false);
     }
-    const Index first = cache.reserve(b, count);
-    store_rows(cache, b, first, count, keys, values);
-    const Index start = cache.start_[static_cast<std::size_t>(b)];
-    const Index total_keys = first + count - start;
-    Compute* attended = cache.attended_.data() + b * steps * inner;
+    const Index total_keys = steps.append(b, count, keys, values);
+    Compute* attended = buffers.attended.data() + b * n * inner;
     if constexpr (std::is_same_v<Compute, float>) {
       if (batched && count < kPanelsMinQueries) {
-        // (advance() below moves no rows: these stay where they are until the kernel has run.)
-        if (cache.format() == KVCacheFormat::q8) {
-          cache.q8_sequences_.push_back(
-              {queries, attended, cache.template block_row<Q8Block>(false, b, start),
-               cache.template block_row<Q8Block>(true, b, start), count, total_keys});
-        } else if (cache.format() == KVCacheFormat::q4) {
-          cache.q4_sequences_.push_back(
-              {queries, attended, cache.template block_row<Q4Block>(false, b, start),
-               cache.template block_row<Q4Block>(true, b, start), count, total_keys});
-        } else {
-          cache.decode_sequences_.push_back({queries, attended, cache.key_row(b, start),
-                                             cache.value_row(b, start), count, total_keys});
-        }
-        cache.advance(b, count);
+        // (advance() moves no rows: these stay where they are until the kernel has run.)
+        steps.add_to_kernel(b, queries, attended, count, total_keys);
+        steps.advance(b, count);
         continue;
       }
     }
@@ -182,28 +407,15 @@ ForwardResult<T> Decoding<T>::step(const LayerParameters<T>& parameters,
     const auto queries_layout =
         parameters.template head_layout<const Compute>(queries, count, inner);
     const auto attended_layout = parameters.head_layout(attended, count, inner);
-    bool widened = false;  // (only a cache of a layer computing in float is quantized)
-    if constexpr (std::is_same_v<Compute, float>) {
-      if (cache.quantized()) {
-        // A step of many tokens: the sequence's cache widened once, then the flash kernel.
-        widen_cached(cache, b, start, total_keys);
-        attention<Compute>(kernel, 1, heads, queries_layout,
-                           parameters.template kv_head_layout<const float>(
-                               cache.widened_keys_.data(), total_keys, width),
-                           parameters.template kv_head_layout<const float>(
-                               cache.widened_values_.data(), total_keys, width),
-                           attended_layout, core, nullptr, cache.kernel_);
-        widened = true;
-      }
-    }
-    if (!widened) {
+    steps.with_rows(b, total_keys, [&](const auto* cached_keys, const auto* cached_values) {
+      using Stored = std::remove_const_t<std::remove_pointer_t<decltype(cached_keys)>>;
       attention<Compute>(
           kernel, 1, heads, queries_layout,
-          parameters.template kv_head_layout<const T>(cache.key_row(b, start), total_keys, width),
-          parameters.template kv_head_layout<const T>(cache.value_row(b, start), total_keys, width),
-          attended_layout, core, nullptr, cache.kernel_);
-    }
-    cache.advance(b, count);
+          parameters.template kv_head_layout<const Stored>(cached_keys, total_keys, width),
+          parameters.template kv_head_layout<const Stored>(cached_values, total_keys, width),
+          attended_layout, core, nullptr, buffers.kernel);
+    });
+    steps.advance(b, count);
   }
   if constexpr (std::is_same_v<Compute, float>) {
     // kv_stride counts the cache's elements, or its blocks for a quantized cache.
@@ -211,36 +423,37 @@ ForwardResult<T> Decoding<T>::step(const LayerParameters<T>& parameters,
                             width};
     DecodeShape block_shape = shape;
     block_shape.kv_stride = width / kQuantBlock;
-    if (!cache.decode_sequences_.empty()) {
-      decode_attention(cache.decode_sequences_, shape, core, cache.kernel_, cache.decode_);
+    if (!buffers.sequences.empty()) {
+      decode_attention(buffers.sequences, shape, core, buffers.kernel, buffers.decode);
     }
-    if (!cache.q8_sequences_.empty()) {
-      decode_attention(cache.q8_sequences_, block_shape, core, cache.kernel_, cache.decode_);
+    if (!buffers.q8_sequences.empty()) {
+      decode_attention(buffers.q8_sequences, block_shape, core, buffers.kernel, buffers.decode);
     }
-    if (!cache.q4_sequences_.empty()) {
-      decode_attention(cache.q4_sequences_, block_shape, core, cache.kernel_, cache.decode_);
+    if (!buffers.q4_sequences.empty()) {
+      decode_attention(buffers.q4_sequences, block_shape, core, buffers.kernel, buffers.decode);
     }
   }
 
-  scale_heads(cache.attended_, options.head_gate, head_dim);
+  scale_heads(buffers.attended, options.head_gate, head_dim);
   ForwardResult<T> result;
   result.output.resize(x.shape());
-  project_output(parameters, cache.attended_, result.output, cache.output_, cache.kernel_,
+  project_output(parameters, buffers.attended, result.output, buffers.output, buffers.kernel,
                  route(3));
   auto output = result.output.matrix();
   for (Index b = 0; b < batch && !new_tokens.empty(); ++b) {
     const Index count = new_tokens[static_cast<std::size_t>(b)];
-    output.middleRows(b * steps + count, steps - count).setZero();
+    output.middleRows(b * n + count, n - count).setZero();
   }
   return result;
 }
 
 template <class T>
+template <class Steps>
 Index Decoding<T>::check(const LayerParameters<T>& parameters, const TensorView<const T>& x,
-                         const KVCache<T>& cache, const ForwardOptions<T>& options,
+                         const Steps& steps, const ForwardOptions<T>& options,
                          const std::vector<Index>& new_tokens) {
   const MultiHeadAttentionConfig& config = parameters.config();
-  const Index embed = config.embed_dim, batch = cache.batch();
+  const Index embed = config.embed_dim, batch = steps.batch();
   if (config.add_bias_kv || config.add_zero_attn) {
     throw_argument("decode",
                    "a layer with add_bias_kv or add_zero_attn cannot decode with a KV cache: its "
@@ -251,10 +464,10 @@ Index Decoding<T>::check(const LayerParameters<T>& parameters, const TensorView<
                                  std::to_string(embed) + ", got " + std::to_string(config.kdim) +
                                  " and " + std::to_string(config.vdim));
   }
-  if (cache.num_kv_heads() != parameters.num_kv_heads() ||
-      cache.head_dim() != parameters.head_dim()) {
-    throw_argument("cache", "holds " + std::to_string(cache.num_kv_heads()) +
-                                " key/value heads of D = " + std::to_string(cache.head_dim()) +
+  if (steps.num_kv_heads() != parameters.num_kv_heads() ||
+      steps.head_dim() != parameters.head_dim()) {
+    throw_argument("cache", "holds " + std::to_string(steps.num_kv_heads()) +
+                                " key/value heads of D = " + std::to_string(steps.head_dim()) +
                                 ", the layer has " + std::to_string(parameters.num_kv_heads()) +
                                 " of D = " + std::to_string(parameters.head_dim()) +
                                 " (make it with make_kv_cache)");
@@ -266,25 +479,22 @@ Index Decoding<T>::check(const LayerParameters<T>& parameters, const TensorView<
   } else if (x.rank() != 3 || x.dim(0) != batch || x.dim(2) != embed) {
     throw_shape("x", row_shape + (batch == 1 ? " or [n, E]" : ""), x.shape());
   }
-  const Index steps = x.dim(x.rank() - 2);
+  const Index n = x.dim(x.rank() - 2);
   if (!new_tokens.empty() && static_cast<Index>(new_tokens.size()) != batch) {
     throw_argument("new_tokens", "expected one count per sequence (" + std::to_string(batch) +
                                      "), got " + std::to_string(new_tokens.size()));
   }
+  std::vector<Index> counts(static_cast<std::size_t>(batch), n);
   for (Index b = 0; b < batch; ++b) {
-    const Index count = new_tokens.empty() ? steps : new_tokens[static_cast<std::size_t>(b)];
-    if (count < 0 || count > steps) {
+    const Index count = new_tokens.empty() ? n : new_tokens[static_cast<std::size_t>(b)];
+    if (count < 0 || count > n) {
       throw_argument("new_tokens", "sequence " + std::to_string(b) +
-                                       ": expected a count in [0, n = " + std::to_string(steps) +
+                                       ": expected a count in [0, n = " + std::to_string(n) +
                                        "], got " + std::to_string(count));
     }
-    if (cache.length(b) + count > cache.capacity()) {
-      throw_argument("cache", "sequence " + std::to_string(b) + " holds " +
-                                  std::to_string(cache.length(b)) + " keys of its capacity " +
-                                  std::to_string(cache.capacity()) + "; " + std::to_string(count) +
-                                  " more do not fit");
-    }
+    counts[static_cast<std::size_t>(b)] = count;
   }
+  steps.check(options, counts);
   check_head_gate(options.head_gate, config.num_heads);
   check_window(options.window);
   check_precision<Compute>(options.precision);
@@ -299,28 +509,16 @@ Index Decoding<T>::check(const LayerParameters<T>& parameters, const TensorView<
                    "decode returns no attention weights: set it false (decode_options() does), "
                    "or run forward");
   }
-  if (cache.sliding() && (options.window.left < 0 || options.window.left > cache.window())) {
-    throw_argument("window.left",
-                   "a sliding-window cache keeping the last " + std::to_string(cache.window()) +
-                       " keys serves windows of at most that many keys to the left, got " +
-                       std::to_string(options.window.left) +
-                       (options.window.left < 0 ? " (unbounded)" : ""));
-  }
-  if (cache.sliding() && options.pattern.active()) {
-    throw_argument("pattern",
-                   "global tokens and block layouts are over absolute positions, which a "
-                   "sliding-window cache drops: use a cache that keeps every token");
-  }
   // Here rather than where each sequence's keys are known: a layout too small for a later
   // sequence must throw before earlier sequences have advanced.
   for (Index b = 0; b < batch && options.pattern.active(); ++b) {
-    const Index count = new_tokens.empty() ? steps : new_tokens[static_cast<std::size_t>(b)];
+    const Index count = counts[static_cast<std::size_t>(b)];
     if (count == 0) continue;
-    checked_pattern(options.pattern, config.num_heads, count, cache.length(b) + count,
+    checked_pattern(options.pattern, config.num_heads, count, steps.length(b) + count,
                     Alignment::bottom_right);
   }
   if (options.check_inputs) check_finite(x, "x");
-  return steps;
+  return n;
 }
 
 // The instantiations mha::compiled holds (src/layer_decode.cpp; see mha/compiled.hpp).
