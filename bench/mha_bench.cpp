@@ -22,6 +22,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <iterator>
+#include <numeric>
+#include <random>
 #include <set>
 #include <string>
 #include <vector>
@@ -695,14 +697,22 @@ std::vector<mha::detail::DecodeSequence<Stored>> decode_sequences(
   return sequences;
 }
 
-enum class DecodeRun { batched, per_sequence, read_only };
+// `paged` runs the decoding kernel as over a paged cache (PagedKVCache) of pages of range(3)
+// tokens: each sequence's rows in pages of a pool, its page table a slice of a shuffled order of
+// the pool's pages (fixed seed), as a server's pool is after many sequences came and went.
+enum class DecodeRun { batched, per_sequence, read_only, paged };
 void decode_attention(benchmark::State& state, DecodeRun run) {
   const mha::Index B = state.range(0), kv_heads = state.range(1), context = state.range(2);
   const mha::Index H = 16, D = 128, inner = H * D, width = kv_heads * D;
+  const mha::Index page = run == DecodeRun::paged ? state.range(3) : 0;
+  const mha::Index pages_each = page > 0 ? (context + page - 1) / page : 0;
+  std::vector<mha::Index> page_order(static_cast<std::size_t>(B * pages_each));
+  std::iota(page_order.begin(), page_order.end(), mha::Index{0});
+  std::shuffle(page_order.begin(), page_order.end(), std::mt19937_64(7));
   // Stored as the layer's KV cache is: a Tensor's storage, aligned (64 bytes with AVX-512) and on
   // huge pages.
   mha::detail::AlignedBuffer<float> keys, values;
-  keys.resize(B * context * width, mha::Paging::huge);
+  keys.resize((page > 0 ? B * pages_each * page : B * context) * width, mha::Paging::huge);
   values.resize(keys.size(), mha::Paging::huge);
   for (mha::Index i = 0; i < keys.size(); ++i) {
     keys.data()[i] = arbitrary_cached(static_cast<std::uint64_t>(i), 0);
@@ -713,8 +723,15 @@ void decode_attention(benchmark::State& state, DecodeRun run) {
   const mha::detail::CoreOptions<float> core = decode_core(D, context);
   std::vector<mha::detail::KernelScratch<float>> scratch;
   mha::detail::DecodeScratch buffers;
-  const auto sequences = decode_sequences(B, context, inner, width, queries.data(), out.data(),
-                                          keys.data(), values.data());
+  auto sequences = decode_sequences(B, context, inner, width, queries.data(), out.data(),
+                                    keys.data(), values.data());
+  for (mha::Index b = 0; b < B && page > 0; ++b) {
+    auto& sequence = sequences[static_cast<std::size_t>(b)];
+    sequence.keys = keys.data();
+    sequence.values = values.data();
+    sequence.page_table = page_order.data() + b * pages_each;
+    sequence.page_rows = page;
+  }
   const mha::detail::DecodeShape shape{H, kv_heads, D, D, inner, inner, width};
   std::uint32_t folded = 0;
   const auto fold = [&folded](const float* data, mha::Index size) {
@@ -722,7 +739,7 @@ void decode_attention(benchmark::State& state, DecodeRun run) {
   };
   const WallClock wall;
   for (auto _ : state) {
-    if (run == DecodeRun::batched) {
+    if (run == DecodeRun::batched || run == DecodeRun::paged) {
       mha::detail::decode_attention(sequences, shape, core, scratch, buffers);
     } else if (run == DecodeRun::per_sequence) {
       for (mha::Index b = 0; b < B; ++b) {
@@ -1400,6 +1417,11 @@ BENCHMARK_CAPTURE(decode_attention, batched, DecodeRun::batched)
     ->Name("decode_attention/batched")
     ->ArgNames({"B", "H_kv", "context"})
     ->ArgsProduct({{1, 8, 32}, {16, 4, 1}, {2048, 16384}})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(decode_attention, paged, DecodeRun::paged)
+    ->Name("decode_attention/paged")
+    ->ArgNames({"B", "H_kv", "context", "page"})
+    ->ArgsProduct({{1, 8, 32}, {16, 4, 1}, {2048, 16384}, {48, 192}})
     ->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(decode_attention, per_sequence, DecodeRun::per_sequence)
     ->Name("decode_attention/per_sequence")

@@ -33,31 +33,8 @@ namespace {
 using mha::Index;
 using mha::Shape;
 using mha::Tensor;
+using mha_fuzz::Choices;
 using mha_fuzz::violation;
-
-// Reads the fuzz input as a stream of choices; past its end every choice is the smallest, so a
-// short input is a small, plain case.
-class Choices {
- public:
-  Choices(const std::uint8_t* data, std::size_t size) : data_(data), size_(size) {}
-
-  std::uint8_t byte() { return position_ < size_ ? data_[position_++] : 0; }
-  bool flag() { return (byte() & 1) != 0; }
-  // Uniform enough in [low, high] for a fuzzer, which steers the bytes anyway.
-  Index in(Index low, Index high) {
-    return low + static_cast<Index>(byte() % static_cast<unsigned>(high - low + 1));
-  }
-  std::uint64_t seed() {
-    std::uint64_t value = 0;
-    for (int i = 0; i < 4; ++i) value = (value << 8) | byte();
-    return value;
-  }
-
- private:
-  const std::uint8_t* data_;
-  std::size_t size_;
-  std::size_t position_ = 0;
-};
 
 struct Case {
   Index batch = 1, query_len = 1, key_len = 1, heads = 1, kv_heads = 1, head_dim = 1;

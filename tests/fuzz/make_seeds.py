@@ -12,6 +12,9 @@ fuzz_mha_run: the reference fixtures (tests/reference/data/*.in.safetensors) tha
     MAX_LEN bytes, and variants of them with other dtypes and options.
 fuzz_forward: byte strings; each byte is a choice of the target's decoder (shape, option, mask
     entry), so these are starting points that reach every option, not meaningful cases.
+fuzz_paged_cache: byte strings of choices too (the layer, the pool, then operations on the
+    paged cache: add, fork, truncate, remove, steps), at random and a few written to reach
+    forks, full pools and steps that cross pages.
 """
 import json
 import pathlib
@@ -218,13 +221,31 @@ def forward_seeds():
     return seeds
 
 
+def paged_cache_seeds():
+    rng = random.Random(2027)
+    seeds = {"empty": b""}
+    for index in range(24):
+        length = rng.choice([32, 64, 128, 256])
+        seeds[f"random_{index:02d}"] = bytes(rng.randrange(256) for _ in range(length))
+    # Two heads of 16, a seed, no RoPE, as_layer, pages of 48, a pool of 3; then five operations:
+    # add; a step of 50 tokens; fork; a step of one token each for both (their shared last page
+    # copied once); a step of 60 each, which the full pool refuses.
+    layer = bytes([1, 0, 0, 1, 2, 3, 4, 0, 0, 0, 2])
+    operations = bytes([4, 0, 4, 0, 1, 0, 50, 1, 1, 4, 1, 1, 1, 1, 2, 1, 1, 4, 1, 1, 0, 60, 2,
+                        0, 60])
+    seeds["fork_full_pool"] = layer + operations
+    seeds["all_ff"] = bytes([0xFF] * 256)
+    return seeds
+
+
 def main():
     if len(sys.argv) != 2:
         sys.exit(f"usage: {sys.argv[0]} OUT_DIR")
     out = pathlib.Path(sys.argv[1])
     for target, seeds in (("fuzz_safetensors", safetensors_seeds()),
                           ("fuzz_mha_run", mha_run_seeds()),
-                          ("fuzz_forward", forward_seeds())):
+                          ("fuzz_forward", forward_seeds()),
+                          ("fuzz_paged_cache", paged_cache_seeds())):
         directory = out / target
         directory.mkdir(parents=True, exist_ok=True)
         for name, blob in seeds.items():

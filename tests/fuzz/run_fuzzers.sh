@@ -2,7 +2,7 @@
 # A bounded fuzzing run, as CI does it:
 #   tests/fuzz/run_fuzzers.sh [SECONDS_PER_TARGET (60)] [BUILD_DIR (build-fuzz)]
 # Configures a clang++ build with MHA_BUILD_FUZZERS=ON (or takes BUILD_DIR as it is, if it was
-# configured with it), builds the three libFuzzer targets only, and runs them at once, each for
+# configured with it), builds the four libFuzzer targets only, and runs them at once, each for
 # SECONDS_PER_TARGET of processor time, on a copy of its committed corpus and regressions (under
 # BUILD_DIR/fuzz-run; nothing is written to the source tree). Prints per target the executions,
 # executions per second, corpus units, coverage and the inputs by outcome; exits 1 if any target
@@ -45,21 +45,22 @@ else
     -DMHA_BUILD_BENCHMARKS=OFF >/dev/null
 fi
 export OMP_NUM_THREADS=1
-targets=(fuzz_safetensors fuzz_mha_run fuzz_forward)
+targets=(fuzz_safetensors fuzz_mha_run fuzz_forward fuzz_paged_cache)
 build_start=$SECONDS
 cmake --build "$build_dir" -j "$jobs" --target mha_fuzzers
 echo "run_fuzzers.sh: built ${targets[*]} in $((SECONDS - build_start))s"
 
 # The inputs' size limits: a few fixtures' worth for files, a few hundred choices for forward.
-declare -A max_len=([fuzz_safetensors]=4096 [fuzz_mha_run]=4096 [fuzz_forward]=512)
+declare -A max_len=([fuzz_safetensors]=4096 [fuzz_mha_run]=4096 [fuzz_forward]=512
+  [fuzz_paged_cache]=256)
 declare -A dict=([fuzz_safetensors]=$fuzz_dir/safetensors.dict
-  [fuzz_mha_run]=$fuzz_dir/safetensors.dict [fuzz_forward]=)
+  [fuzz_mha_run]=$fuzz_dir/safetensors.dict [fuzz_forward]= [fuzz_paged_cache]=)
 
 run_root=$build_dir/fuzz-run
 rm -rf -- "$run_root"
 # The targets run at once, each for SECONDS_PER_TARGET of processor time: with fewer jobs than
 # targets they share the processors, and each runs for its share of the wall time
-# (targets x seconds / jobs), which on two cores is 90 s each for three targets of 60 s.
+# (targets x seconds / jobs), which on two cores is 120 s each for four targets of 60 s.
 wall_seconds=$(((${#targets[@]} * seconds + jobs - 1) / jobs))
 ((wall_seconds < seconds)) && wall_seconds=$seconds
 declare -A pid

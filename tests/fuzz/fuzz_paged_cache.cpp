@@ -1,0 +1,185 @@
+// Fuzz target: PagedKVCache's API (add_sequence, fork, truncate, remove_sequence) and decoding
+// steps over any set of its sequences (MultiHeadAttention::decode with ids and new_tokens), in a
+// sequence of operations decoded from the bytes, on a small float layer and pool. Properties:
+//   - no crash, and no exception but mha::ShapeError (bad ids, lengths, a full pool);
+//   - a refused operation changes nothing: every sequence's length and page table, the free pages;
+//   - the pool's accounting: used plus free pages is the pool; each sequence holds
+//     ceil(length / page_size) pages; the used pages are those the sequences' tables name, and
+//     the shared ones those named twice or more;
+//   - every step's output is finite, and for a cache of the layer's type equals (within the test
+//     suite's bound for decoding, below) a causal forward over the sequence's tokens so far, which
+//     the target keeps per sequence (fork copies them, truncate drops them).
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "fuzz_support.hpp"
+#include "mha/multihead_attention.hpp"
+
+namespace {
+
+using mha::Index;
+using mha::Tensor;
+using mha_fuzz::Choices;
+using mha_fuzz::violation;
+
+mha_fuzz::Tally tally("fuzz_paged_cache", {"refused at the pool", "ran with no step", "ran steps",
+                                           "ran refused steps"});
+
+// What the cache holds, to compare before and after a refused operation.
+struct Snapshot {
+  std::vector<Index> ids, lengths;
+  std::vector<std::vector<Index>> tables;
+  Index free_pages = 0;
+  bool operator==(const Snapshot& other) const {
+    return ids == other.ids && lengths == other.lengths && tables == other.tables &&
+           free_pages == other.free_pages;
+  }
+};
+
+Snapshot snapshot(const mha::PagedKVCache<float>& cache) {
+  Snapshot s;
+  s.ids = cache.sequences();
+  for (const Index id : s.ids) {
+    s.lengths.push_back(cache.length(id));
+    s.tables.push_back(cache.page_table(id));
+  }
+  s.free_pages = cache.free_pages();
+  return s;
+}
+
+void check_accounting(const mha::PagedKVCache<float>& cache) {
+  const auto usage = cache.usage();
+  if (usage.used_pages + cache.free_pages() != cache.num_pages()) {
+    violation("used + free pages is not the pool");
+  }
+  std::map<Index, Index> holders;
+  for (const Index id : cache.sequences()) {
+    const auto& table = cache.page_table(id);
+    const Index expected = (cache.length(id) + cache.page_size() - 1) / cache.page_size();
+    if (static_cast<Index>(table.size()) != expected) {
+      violation("sequence " + std::to_string(id) + " holds " + std::to_string(table.size()) +
+                " pages for " + std::to_string(cache.length(id)) + " tokens");
+    }
+    for (const Index page : table) ++holders[page];
+  }
+  Index shared = 0;
+  for (const auto& [page, count] : holders) shared += count > 1 ? 1 : 0;
+  if (static_cast<Index>(holders.size()) != usage.used_pages || shared != usage.shared_pages) {
+    violation("the pool's used or shared pages are not those the page tables name");
+  }
+}
+
+void run(Choices& choices) {
+  const Index heads = choices.in(1, 4);
+  const Index kv_heads = heads % 2 == 0 && choices.flag() ? heads / 2 : heads;
+  const Index head_dim = choices.flag() ? 8 : 16;
+  mha::MultiHeadAttentionConfig config(heads * head_dim, heads);
+  config.num_kv_heads = kv_heads;
+  mha::MultiHeadAttention<float> layer(config);
+  mha::Random random(choices.seed());
+  for (const auto& name : layer.parameter_names()) {
+    Tensor<float> values(layer.parameter(name).shape());
+    for (Index i = 0; i < values.size(); ++i)
+      values.data()[i] = static_cast<float>(0.5 * random.normal());
+    layer.set_parameter(name, values);
+  }
+  auto options = layer.decode_options();
+  if (choices.flag()) options.rope = mha::Rope{10000, mha::RopeLayout::rotate_half, 0, 0};
+  const Index format_pick = choices.in(0, 2);
+  const auto format = format_pick == 1   ? mha::KVCacheFormat::q8
+                      : format_pick == 2 ? mha::KVCacheFormat::q4
+                                         : mha::KVCacheFormat::as_layer;
+  const bool exact = format == mha::KVCacheFormat::as_layer;
+  const Index E = layer.embed_dim();
+  mha::PagedKVCache<float> cache;
+  try {
+    cache = layer.make_paged_kv_cache(48 * choices.in(1, 2), choices.in(1, 8), format);
+  } catch (const mha::ShapeError&) {
+    tally.count(0);  // (a quantized format on rows that are not whole blocks)
+    return;
+  }
+  // Each sequence's tokens so far, [length, E] row after row.
+  std::map<Index, std::vector<float>> tokens;
+
+  Index steps_run = 0, steps_refused = 0;
+  for (Index operation = 0, count = choices.in(1, 24); operation < count; ++operation) {
+    const Snapshot before = snapshot(cache);
+    // A held sequence's id, mostly; sometimes any id (-1, removed or unknown ones: refused).
+    const auto pick_id = [&] {
+      const auto held = cache.sequences();
+      const Index pick = choices.in(0, 15);
+      if (held.empty() || pick >= 12) return choices.in(-1, 9);
+      return held[static_cast<std::size_t>(pick) % held.size()];
+    };
+    const Index kind = choices.in(0, 5);
+    try {
+      if (kind == 0) {
+        tokens[cache.add_sequence()].clear();
+      } else if (kind == 1) {
+        const Index from = pick_id();
+        const Index id = cache.fork(from);
+        tokens[id] = tokens[from];
+      } else if (kind == 2) {
+        const Index id = pick_id(), length = choices.in(0, 120);
+        cache.truncate(id, length);
+        tokens[id].resize(static_cast<std::size_t>(length * E));
+      } else if (kind == 3) {
+        const Index id = pick_id();
+        cache.remove_sequence(id);
+        tokens.erase(id);
+      } else {
+        // A step over up to four ids (possibly repeated or unknown: refused).
+        std::vector<Index> ids, counts;
+        for (Index i = 0, m = choices.in(1, 4); i < m; ++i) {
+          ids.push_back(pick_id());
+          counts.push_back(choices.flag() ? choices.in(0, 3) : choices.in(0, 60));
+        }
+        const Index n = *std::max_element(counts.begin(), counts.end());
+        Tensor<float> x({static_cast<Index>(ids.size()), n, E});
+        for (Index i = 0; i < x.size(); ++i) x.data()[i] = static_cast<float>(random.normal());
+        const auto out = layer.decode(x, cache, ids, options, counts).output;
+        ++steps_run;
+        if (!out.flat().allFinite()) violation("a step's output is not finite");
+        for (std::size_t i = 0; i < ids.size(); ++i) {
+          auto& history = tokens[ids[i]];
+          const auto b = static_cast<Index>(i);
+          const float* rows = x[b].data();
+          history.insert(history.end(), rows, rows + counts[i] * E);
+          if (!exact || counts[i] == 0) continue;
+          const Index length = static_cast<Index>(history.size()) / E;
+          Tensor<float> sequence({1, length, E});
+          std::copy(history.begin(), history.end(), sequence.data());
+          const auto full = layer.forward(sequence, options).output;
+          // test_kv_cache's bound for decoding against the forward: 1e-5 of the largest output.
+          const auto expected = full[0].matrix().bottomRows(counts[i]);
+          const double scale = full.flat().cwiseAbs().maxCoeff();
+          const double error =
+              (out[b].matrix().topRows(counts[i]) - expected).cwiseAbs().maxCoeff();
+          if (error > 1e-5 * scale) {
+            violation("sequence " + std::to_string(ids[i]) + ": a step is " +
+                      std::to_string(error) + " from the forward (largest output " +
+                      std::to_string(scale) + ")");
+          }
+        }
+      }
+    } catch (const mha::ShapeError&) {
+      steps_refused += kind >= 4 ? 1 : 0;
+      if (!(snapshot(cache) == before)) violation("a refused operation changed the cache");
+    }
+    check_accounting(cache);
+  }
+  tally.count(steps_run > 0 ? 2 : steps_refused > 0 ? 3 : 1);
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  Choices choices(data, size);
+  run(choices);
+  return 0;
+}
