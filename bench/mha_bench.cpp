@@ -633,6 +633,43 @@ void decode(benchmark::State& state) {
   decode_step(state);
 }
 
+// decode_paged/: decode/'s step over a PagedKVCache of pages of range(3) tokens, its B sequences'
+// prompts filled a page's worth of tokens a step for all of them together, so that each
+// sequence's pages lie B pages apart in the pool, as the pages of sequences decoded together do.
+void decode_paged(benchmark::State& state) {
+  const mha::Index B = state.range(0), kv_heads = state.range(1), context = state.range(2);
+  const mha::Index page = state.range(3), E = 2048, H = 16;
+  mha::MultiHeadAttentionConfig config(E, H);
+  config.num_kv_heads = kv_heads;
+  const mha::MultiHeadAttention<float> layer(config);
+  auto cache = layer.make_paged_kv_cache(page, B * ((context + page) / page + 1));
+  std::vector<mha::Index> ids;
+  for (mha::Index b = 0; b < B; ++b) ids.push_back(cache.add_sequence());
+  // The prompt, untimed, with a window of one key (as decode/'s).
+  auto options = mha::MultiHeadAttention<float>::decode_options();
+  options.window = mha::Window{0, 0};
+  for (mha::Index first = 0; first < context; first += page) {
+    const mha::Index count = std::min(page, context - first);
+    layer.decode(random_tensor({B, count, E}, static_cast<std::uint64_t>(1 + first)), cache, ids,
+                 options);
+  }
+  options.window = mha::Window{};
+  const auto token = random_tensor({B, 1, E}, 2);
+  const WallClock wall;
+  for (auto _ : state) {
+    auto result = layer.decode(token, cache, ids, options);
+    benchmark::DoNotOptimize(result.output.data());
+    for (const mha::Index id : ids) cache.truncate(id, context);
+  }
+  state.counters["tokens_per_second"] = per_second(state, wall, static_cast<double>(B));
+  const double d = static_cast<double>(E / H), e = static_cast<double>(E);
+  const double kv = static_cast<double>(kv_heads) * d;
+  const double weight_bytes = 4.0 * (2 * e * e + 2 * kv * e);
+  const double cache_bytes = 4.0 * 2 * kv * static_cast<double>(B * (context + 1));
+  state.counters["cache_MiB"] = cache_bytes / (1024.0 * 1024.0);
+  set_bytes_read(state, wall, weight_bytes + cache_bytes);
+}
+
 // decode_cache/<format>: the decode step above with its KV cache stored as `format`: float
 // (as_layer), or quantized in blocks of 32 (q8: 1.06 bytes a value, q4: 0.56), which the decoding
 // kernel widens in registers as it reads them. cache_MiB: the bytes the step reads of the cache.
@@ -1357,6 +1394,11 @@ BENCHMARK(decode)
     ->Name("decode")
     ->ArgNames({"B", "H_kv", "context"})
     ->ArgsProduct({{1, 8}, {16, 8, 4, 2, 1}, {16, 2048}})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(decode_paged)
+    ->Name("decode_paged")
+    ->ArgNames({"B", "H_kv", "context", "page"})
+    ->ArgsProduct({{1, 8}, {16, 4, 1}, {2048}, {48, 192}})
     ->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(decode_cache, float, mha::KVCacheFormat::as_layer)
     ->Name("decode_cache/float")

@@ -3,6 +3,7 @@
 // and through the flash kernel's gathered rows, in every storage format; fork shares pages until
 // a write copies the one written; truncate and remove return pages; a step the pool cannot hold,
 // and bad ids or shapes, are refused with the cache unchanged.
+#include <cstdint>
 #include <set>
 #include <string>
 #include <vector>
@@ -304,4 +305,83 @@ TEST_CASE("a paged step that does not fit, or names bad sequences, changes nothi
   layer.decode(mha_test::random_tensor<float>({1, 6, E}, 13), paged, {a}, options);
   CHECK(paged.length(a) == 96);
   CHECK(paged.free_pages() == 1);
+}
+
+TEST_CASE("prefix caching shares the pages of a prompt's cached prefix, and keeps them cached",
+          "[decode][paged]") {
+  MultiHeadAttention<float> layer(grouped(128, 4, 2));
+  randomise(layer, 14);
+  auto options = layer.decode_options();
+  options.rope = mha::Rope{10000, mha::RopeLayout::rotate_half, 0, 0};
+  const Index E = layer.embed_dim(), P = 48;
+  // Token ids and their embeddings: token t's row is embedding(t).
+  const auto table = mha_test::random_tensor<float>({64, E}, 15);
+  const auto embed = [&](const std::vector<std::int64_t>& tokens, std::size_t first) {
+    Tensor<float> x({1, static_cast<Index>(tokens.size() - first), E});
+    for (std::size_t t = first; t < tokens.size(); ++t) {
+      x[0].matrix().row(static_cast<Index>(t - first)) = table.matrix().row(tokens[t]);
+    }
+    return x;
+  };
+  std::vector<std::int64_t> prompt(150);
+  for (std::size_t t = 0; t < prompt.size(); ++t) prompt[t] = static_cast<std::int64_t>(t * 7 % 64);
+  // Another prompt with the same first 100 tokens: two whole pages in common.
+  auto other = prompt;
+  other.resize(130);
+  for (std::size_t t = 100; t < other.size(); ++t) other[t] = 5;
+
+  auto paged = layer.make_paged_kv_cache(P, 12);
+  const Index first = paged.add_sequence(prompt);
+  CHECK(paged.length(first) == 0);  // nothing cached yet
+  layer.decode(embed(prompt, 0), paged, {first}, options);
+  // The reference for the other prompt: a copy of the first's first 96 tokens (fork, truncate).
+  const Index copy = paged.fork(first);
+  paged.truncate(copy, 2 * P);
+  const Index second = paged.add_sequence(other);
+  CHECK(paged.length(second) == 2 * P);
+  CHECK(paged.page_table(second) ==
+        std::vector<Index>(paged.page_table(first).begin(), paged.page_table(first).begin() + 2));
+  const auto rest = embed(other, 2 * P);
+  require_identical(layer.decode(rest, paged, {second}, options).output,
+                    layer.decode(rest, paged, {copy}, options).output);
+
+  // Removed, their registered pages stay cached, and a third sequence with the first prompt finds
+  // all three of its whole pages (the last prompt token is always decoded).
+  const Index pages_before = paged.free_pages();
+  paged.remove_sequence(first);
+  paged.remove_sequence(second);
+  paged.remove_sequence(copy);
+  CHECK(paged.usage().used_pages == 0);
+  CHECK(paged.usage().cached_pages == 3);
+  CHECK(paged.free_pages() == 12);
+  CHECK(pages_before < 12);
+  const Index third = paged.add_sequence(prompt);
+  CHECK(paged.length(third) == 3 * P);
+  CHECK(paged.usage().cached_pages == 0);
+  // Its outputs equal the first's, decoded again from scratch in a cache of its own.
+  auto fresh = layer.make_paged_kv_cache(P, 12);
+  const Index again = fresh.add_sequence();
+  const auto expected = layer.decode(embed(prompt, 0), fresh, {again}, options).output;
+  const auto actual = layer.decode(embed(prompt, 3 * P), paged, {third}, options).output;
+  CHECK((actual[0].matrix() - expected[0].matrix().bottomRows(6)).cwiseAbs().maxCoeff() <=
+        1e-5F * expected.flat().cwiseAbs().maxCoeff());
+
+  // Truncated into a registered page, a sequence copies that page before writing: the cached rows
+  // stay as they were for the next sequence with the prompt.
+  paged.truncate(third, 100);
+  layer.decode(embed(other, 100), paged, {third}, options);
+  const Index fourth = paged.add_sequence(prompt);
+  CHECK(paged.length(fourth) == 3 * P);
+  const auto repeated = layer.decode(embed(prompt, 3 * P), paged, {fourth}, options).output;
+  require_identical(repeated, actual);
+
+  // A pool that needs every page forgets the cached ones, oldest first.
+  paged.remove_sequence(third);
+  paged.remove_sequence(fourth);
+  const Index big = paged.add_sequence();
+  layer.decode(mha_test::random_tensor<float>({1, 12 * P, E}, 16), paged, {big}, options);
+  CHECK(paged.usage().cached_pages == 0);
+  CHECK(paged.free_pages() == 0);
+  paged.remove_sequence(big);
+  CHECK(paged.length(paged.add_sequence(prompt)) == 0);
 }

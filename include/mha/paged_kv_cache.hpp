@@ -13,6 +13,15 @@
 // that page (copy-on-write). A step that needs more pages than are free is refused before
 // anything changes, with the pages it needed and the pages free.
 //
+// Prefix caching (vLLM's automatic prefix caching): a sequence added with its prompt's token ids,
+// add_sequence(tokens), shares the pages of any earlier sequence whose first pages hold the same
+// tokens (whole pages, from the first token on), so that only the rest of its prompt is decoded.
+// A full page whose rows all hold known prompt tokens is registered under its tokens and those of
+// the pages before it (compared exactly, not by hash alone); when no sequence holds it any more,
+// it stays cached and counts as free, given to a step that needs it only after the free pages
+// that hold nothing, least recently released first. The keys cached depend on the layer and on
+// the step's options (RoPE's positions): a cache serves one layer with one set of options.
+//
 // A decoding step reads a sequence's pages where they lie: the decoding kernel looks each
 // sub-block of rows up in the page table (kernels/decode.hpp), which is why page_size must be a
 // multiple of 48 (no sub-block spans two pages, and a paged sequence gives the same bits as the
@@ -24,6 +33,7 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -39,7 +49,8 @@ namespace mha {
 struct PagedKVCacheUsage {
   Index pages = 0;         // in the pool
   Index used_pages = 0;    // held by at least one sequence
-  Index shared_pages = 0;  // held by two or more (fork): stored once
+  Index shared_pages = 0;  // held by two or more (fork, prefix caching): stored once
+  Index cached_pages = 0;  // held by none, but kept for prefix caching (free when needed)
   Index sequences = 0;
   Index tokens = 0;  // every sequence's length, a shared page's rows counted for each holder
   // Rows of used pages that hold no token of any sequence: the last page of each sequence that
@@ -84,6 +95,9 @@ class PagedKVCache {
       values_.resize({rows, width}, Paging::huge);
     }
     holders_.assign(static_cast<std::size_t>(num_pages), 0);
+    page_key_.assign(static_cast<std::size_t>(num_pages), 0);
+    page_previous_.assign(static_cast<std::size_t>(num_pages), -1);
+    page_tokens_.resize(static_cast<std::size_t>(num_pages));
     // Taken from the back: page 0 first.
     for (Index page = num_pages - 1; page >= 0; --page) free_.push_back(page);
   }
@@ -92,7 +106,8 @@ class PagedKVCache {
   Index head_dim() const { return head_dim_; }
   Index page_size() const { return page_size_; }
   Index num_pages() const { return static_cast<Index>(holders_.size()); }
-  Index free_pages() const { return static_cast<Index>(free_.size()); }
+  // Pages a step may take: those that hold nothing, and the cached ones no sequence holds.
+  Index free_pages() const { return static_cast<Index>(free_.size() + released_.size()); }
   KVCacheFormat format() const { return format_; }
   bool quantized() const { return format_ != KVCacheFormat::as_layer; }
   // The bytes of the pool's keys and values, used or not (allocated at construction).
@@ -105,6 +120,30 @@ class PagedKVCache {
   }
 
   // ---- Sequences, named by the ids these return ----
+
+  // A new sequence whose prompt is `tokens` (ids of any vocabulary), sharing the cached pages that
+  // hold its first tokens (prefix caching, above): it starts with length() of them, a multiple of
+  // page_size and less than tokens.size() (the last prompt token is always decoded, for its
+  // output); decode its tokens from there on.
+  Index add_sequence(const std::vector<std::int64_t>& tokens) {
+    const Index id = add_sequence();
+    Sequence& s = sequences_[static_cast<std::size_t>(id)];
+    s.tokens = tokens;
+    const auto usable = static_cast<Index>(tokens.empty() ? 0 : (tokens.size() - 1)) / page_size_;
+    std::uint64_t key = kPrefixSeed;
+    for (Index k = 0; k < usable; ++k) {
+      const Index page = cached_page(key, s.tokens, k, s.pages.empty() ? -1 : s.pages.back());
+      if (page < 0) break;
+      key = prefix_key(key, s.tokens, k);
+      s.chain.push_back(key);
+      if (holders_[static_cast<std::size_t>(page)]++ == 0) {
+        released_.erase(std::find(released_.begin(), released_.end(), page));
+      }
+      s.pages.push_back(page);
+      s.length += page_size_;
+    }
+    return id;
+  }
 
   // A new empty sequence; it takes pages as steps fill it. Ids of removed sequences are reused.
   Index add_sequence() {
@@ -139,6 +178,13 @@ class PagedKVCache {
     for (auto page = s.pages.begin() + keep; page != s.pages.end(); ++page) release(*page);
     s.pages.resize(static_cast<std::size_t>(keep));
     s.length = length;
+    // (Tokens after the new length are no longer the sequence's: a step writes others.)
+    if (static_cast<Index>(s.tokens.size()) > length) {
+      s.tokens.resize(static_cast<std::size_t>(length));
+    }
+    if (static_cast<Index>(s.chain.size()) > length / page_size_) {
+      s.chain.resize(static_cast<std::size_t>(length / page_size_));
+    }
   }
   // Removes `sequence`, returning the pages only it held to the pool.
   void remove_sequence(Index sequence) {
@@ -172,7 +218,8 @@ class PagedKVCache {
   }
 
   // ... for a step appending counts[i] tokens to each of `sequences` (distinct): sequences that
-  // share a last page copy it, but the last of its holders to write keeps it.
+  // share a last page copy it, but the last of its holders to write keeps it (unless the page is
+  // registered for prefix caching).
   Index pages_needed(const std::vector<Index>& sequences, const std::vector<Index>& counts) const {
     Index needed = 0;
     std::vector<std::pair<Index, Index>> writers;  // (a shared last page, holders writing it)
@@ -190,7 +237,10 @@ class PagedKVCache {
       }
     }
     for (const auto& [page, count] : writers) {
-      needed += std::min<Index>(count, holders_[static_cast<std::size_t>(page)] - 1);
+      // A registered page's rows stay as registered: each writer copies it.
+      needed += registered(page)
+                    ? count
+                    : std::min<Index>(count, holders_[static_cast<std::size_t>(page)] - 1);
     }
     return needed;
   }
@@ -199,6 +249,7 @@ class PagedKVCache {
     PagedKVCacheUsage usage;
     usage.pages = num_pages();
     usage.used_pages = num_pages() - free_pages();
+    usage.cached_pages = static_cast<Index>(released_.size());
     for (const Index holders : holders_) usage.shared_pages += holders > 1 ? 1 : 0;
     for (const Sequence& s : sequences_) {
       if (!s.live) continue;
@@ -236,7 +287,12 @@ class PagedKVCache {
     bool live = false;
     Index length = 0;
     std::vector<Index> pages;
+    std::vector<std::int64_t> tokens;  // the prompt's token ids, where add_sequence had them
+    // The keys of its first pages, each registered as its page (prefix caching): where the next
+    // step's registration goes on.
+    std::vector<std::uint64_t> chain;
   };
+  static constexpr std::uint64_t kPrefixSeed = 0x9E3779B97F4A7C15ULL;
 
   Sequence& checked(Index sequence) {
     return const_cast<Sequence&>(std::as_const(*this).checked(sequence));
@@ -252,17 +308,99 @@ class PagedKVCache {
   Index width() const { return num_kv_heads_ * head_dim_; }
   Index blocks() const { return width() / detail::kQuantBlock; }
   Index pages_for(Index rows) const { return (rows + page_size_ - 1) / page_size_; }
+  bool registered(Index page) const { return page_key_[static_cast<std::size_t>(page)] != 0; }
+  // A step writing into a sequence's last page (not full) copies it first where another sequence
+  // holds it, or prefix caching has registered its rows.
   bool copies_last_page(const Sequence& s) const {
-    return s.length % page_size_ != 0 && holders_[static_cast<std::size_t>(s.pages.back())] > 1;
+    if (s.length % page_size_ == 0) return false;
+    const Index page = s.pages.back();
+    return holders_[static_cast<std::size_t>(page)] > 1 || registered(page);
   }
   void release(Index page) {
-    if (--holders_[static_cast<std::size_t>(page)] == 0) free_.push_back(page);
+    if (--holders_[static_cast<std::size_t>(page)] > 0) return;
+    (registered(page) ? released_ : free_).push_back(page);
   }
+  // A page for a step: one that holds nothing, or else the cached page released longest ago
+  // (forgotten by prefix caching).
   Index take_page() {
-    const Index page = free_.back();
-    free_.pop_back();
+    Index page = -1;
+    if (!free_.empty()) {
+      page = free_.back();
+      free_.pop_back();
+    } else {
+      page = released_.front();
+      released_.erase(released_.begin());
+      forget(page);
+    }
     holders_[static_cast<std::size_t>(page)] = 1;
     return page;
+  }
+
+  // ---- Prefix caching: full pages of known prompt tokens, by their tokens and their prefix's ----
+
+  // The key of a sequence's first k + 1 pages, from the key of its first k (k = 0: kPrefixSeed).
+  // FNV-1a over the page's tokens; a key only finds candidates, cached_page compares the tokens.
+  std::uint64_t prefix_key(std::uint64_t key, const std::vector<std::int64_t>& tokens,
+                           Index k) const {
+    for (Index t = k * page_size_; t < (k + 1) * page_size_; ++t) {
+      key = (key ^ static_cast<std::uint64_t>(tokens[static_cast<std::size_t>(t)])) *
+            0x100000001B3ULL;
+    }
+    return key == 0 ? 1 : key;  // (0 marks a page with no key)
+  }
+  // The registered page that holds page k of `tokens` after page `previous` (-1 for k = 0), or -1.
+  Index cached_page(std::uint64_t key, const std::vector<std::int64_t>& tokens, Index k,
+                    Index previous) const {
+    const auto found = registry_.find(prefix_key(key, tokens, k));
+    if (found == registry_.end()) return -1;
+    const Index page = found->second;
+    const auto& held = page_tokens_[static_cast<std::size_t>(page)];
+    const auto first = tokens.begin() + k * page_size_;
+    const bool same = page_previous_[static_cast<std::size_t>(page)] == previous &&
+                      std::equal(held.begin(), held.end(), first, first + page_size_);
+    return same ? page : -1;
+  }
+  // After a step: registers sequence `sequence`'s full pages of known tokens after its chain of
+  // registered ones. A page whose tokens another page holds already stays unregistered, and ends
+  // the chain (so do pages after one that was forgotten): every registered page's previous is
+  // registered.
+  void register_pages(Index sequence) {
+    Sequence& s = sequences_[static_cast<std::size_t>(sequence)];
+    const Index full = std::min(s.length, static_cast<Index>(s.tokens.size())) / page_size_;
+    for (auto k = static_cast<Index>(s.chain.size()); k < full; ++k) {
+      const Index page = s.pages[static_cast<std::size_t>(k)];
+      const Index previous = k == 0 ? -1 : s.pages[static_cast<std::size_t>(k - 1)];
+      if (k > 0 && !registered(previous)) return;
+      const std::uint64_t key = prefix_key(k == 0 ? kPrefixSeed : s.chain.back(), s.tokens, k);
+      if (!registered(page) && registry_.count(key) == 0) {
+        registry_.emplace(key, page);
+        page_key_[static_cast<std::size_t>(page)] = key;
+        page_previous_[static_cast<std::size_t>(page)] = previous;
+        const auto first = s.tokens.begin() + k * page_size_;
+        page_tokens_[static_cast<std::size_t>(page)].assign(first, first + page_size_);
+      }
+      const auto found = registry_.find(key);
+      if (found == registry_.end() || found->second != page) return;
+      s.chain.push_back(key);
+    }
+  }
+
+  // Unregisters a page about to be reused, and the pages registered after it (their key was made
+  // from its tokens): a cached one of those then holds nothing.
+  void forget(Index page) {
+    registry_.erase(page_key_[static_cast<std::size_t>(page)]);
+    page_key_[static_cast<std::size_t>(page)] = 0;
+    page_tokens_[static_cast<std::size_t>(page)].clear();
+    for (Index next = 0; next < num_pages(); ++next) {
+      if (!registered(next) || page_previous_[static_cast<std::size_t>(next)] != page) continue;
+      forget(next);
+      const auto cached = std::find(released_.begin(), released_.end(), next);
+      if (cached != released_.end()) {
+        released_.erase(cached);
+        free_.push_back(next);
+      }
+    }
+    page_previous_[static_cast<std::size_t>(page)] = -1;
   }
   // Calls f(buffer, elements per row) for each of the format's key and value buffers.
   template <class F>
@@ -348,7 +486,15 @@ class PagedKVCache {
   detail::AlignedBuffer<detail::Q4Block> q4_keys_, q4_values_;
   std::vector<Sequence> sequences_;
   std::vector<std::int32_t> holders_;  // per page: the sequences that hold it (0: free)
-  std::vector<Index> free_;            // free pages, taken from the back
+  std::vector<Index> free_;            // pages that hold nothing, taken from the back
+  // Prefix caching: registered pages by key; per page its key (0: none), the page before it in
+  // its sequence when registered, and its tokens; registered pages no sequence holds, oldest
+  // release first.
+  std::unordered_map<std::uint64_t, Index> registry_;
+  std::vector<std::uint64_t> page_key_;
+  std::vector<Index> page_previous_;
+  std::vector<std::vector<std::int64_t>> page_tokens_;
+  std::vector<Index> released_;
   detail::DecodeStepBuffers<T> step_;
 };
 

@@ -1,14 +1,20 @@
-// Fuzz target: PagedKVCache's API (add_sequence, fork, truncate, remove_sequence) and decoding
-// steps over any set of its sequences (MultiHeadAttention::decode with ids and new_tokens), in a
-// sequence of operations decoded from the bytes, on a small float layer and pool. Properties:
+// Fuzz target: PagedKVCache's API (add_sequence with and without a prompt's tokens, fork,
+// truncate, remove_sequence) and decoding steps over any set of its sequences
+// (MultiHeadAttention::decode with ids and new_tokens), in a sequence of operations decoded from
+// the bytes, on a small float layer and pool. Every token is an id of a vocabulary of 4, its row
+// the id's embedding, and prompts are prefixes of two fixed strings of ids, so that prefix
+// caching finds pages to share. Properties:
 //   - no crash, and no exception but mha::ShapeError (bad ids, lengths, a full pool);
 //   - a refused operation changes nothing: every sequence's length and page table, the free pages;
 //   - the pool's accounting: used plus free pages is the pool; each sequence holds
 //     ceil(length / page_size) pages; the used pages are those the sequences' tables name, and
 //     the shared ones those named twice or more;
+//   - a sequence added with a prompt starts with a multiple of page_size of its tokens, fewer than
+//     all of them;
 //   - every step's output is finite, and for a cache of the layer's type equals (within the test
 //     suite's bound for decoding, below) a causal forward over the sequence's tokens so far, which
-//     the target keeps per sequence (fork copies them, truncate drops them).
+//     the target keeps per sequence (fork copies them, truncate drops them, a prompt's cached
+//     prefix starts them): so prefix caching shares only pages that hold the right keys.
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -27,8 +33,9 @@ using mha::Tensor;
 using mha_fuzz::Choices;
 using mha_fuzz::violation;
 
-mha_fuzz::Tally tally("fuzz_paged_cache", {"refused at the pool", "ran with no step", "ran steps",
-                                           "ran refused steps"});
+mha_fuzz::Tally tally("fuzz_paged_cache",
+                      {"refused at the pool", "ran with no step", "ran steps", "ran refused steps",
+                       "ran steps after sharing a cached prefix"});
 
 // What the cache holds, to compare before and after a refused operation.
 struct Snapshot {
@@ -103,10 +110,23 @@ void run(Choices& choices) {
     tally.count(0);  // (a quantized format on rows that are not whole blocks)
     return;
   }
-  // Each sequence's tokens so far, [length, E] row after row.
-  std::map<Index, std::vector<float>> tokens;
+  // The vocabulary's embeddings, two strings of ids that prompts are prefixes of, and each
+  // sequence's ids so far and prompt (what its steps decode first).
+  constexpr Index kVocabulary = 4, kPromptLength = 200;
+  Tensor<float> embeddings({kVocabulary, E});
+  for (Index i = 0; i < embeddings.size(); ++i) {
+    embeddings.data()[i] = static_cast<float>(random.normal());
+  }
+  std::vector<std::int64_t> strings[2];
+  for (auto& string : strings) {
+    for (Index t = 0; t < kPromptLength; ++t) {
+      string.push_back(static_cast<std::int64_t>(random.uniform() * kVocabulary) % kVocabulary);
+    }
+  }
+  std::map<Index, std::vector<std::int64_t>> tokens, prompts;
 
   Index steps_run = 0, steps_refused = 0;
+  bool shared_prefix = false;
   for (Index operation = 0, count = choices.in(1, 24); operation < count; ++operation) {
     const Snapshot before = snapshot(cache);
     // A held sequence's id, mostly; sometimes any id (-1, removed or unknown ones: refused).
@@ -116,22 +136,46 @@ void run(Choices& choices) {
       if (held.empty() || pick >= 12) return choices.in(-1, 9);
       return held[static_cast<std::size_t>(pick) % held.size()];
     };
-    const Index kind = choices.in(0, 5);
+    const Index kind = choices.in(0, 6);
     try {
       if (kind == 0) {
-        tokens[cache.add_sequence()].clear();
+        const Index id = cache.add_sequence();
+        tokens[id].clear();
+        prompts[id].clear();
       } else if (kind == 1) {
         const Index from = pick_id();
         const Index id = cache.fork(from);
         tokens[id] = tokens[from];
+        prompts[id] = prompts[from];
       } else if (kind == 2) {
         const Index id = pick_id(), length = choices.in(0, 120);
         cache.truncate(id, length);
-        tokens[id].resize(static_cast<std::size_t>(length * E));
+        tokens[id].resize(static_cast<std::size_t>(length));
+        prompts[id].clear();  // (the tokens after it are no longer the prompt's)
       } else if (kind == 3) {
         const Index id = pick_id();
         cache.remove_sequence(id);
         tokens.erase(id);
+        prompts.erase(id);
+      } else if (kind == 4) {
+        // A prompt: a prefix of one of the strings, sometimes with one id changed.
+        auto prompt = strings[choices.flag() ? 1 : 0];
+        prompt.resize(static_cast<std::size_t>(choices.in(0, kPromptLength)));
+        const Index changed = choices.in(0, kPromptLength);
+        if (changed < static_cast<Index>(prompt.size())) {
+          auto& id = prompt[static_cast<std::size_t>(changed)];
+          id = (id + 1) % kVocabulary;
+        }
+        const Index id = cache.add_sequence(prompt);
+        const Index cached = cache.length(id);
+        if (cached % cache.page_size() != 0 ||
+            (cached > 0 && cached >= static_cast<Index>(prompt.size()))) {
+          violation("a prompt of " + std::to_string(prompt.size()) + " tokens starts with " +
+                    std::to_string(cached) + " cached");
+        }
+        tokens[id].assign(prompt.begin(), prompt.begin() + cached);
+        shared_prefix = shared_prefix || cached > 0;
+        prompts[id] = prompt;
       } else {
         // A step over up to four ids (possibly repeated or unknown: refused).
         std::vector<Index> ids, counts;
@@ -140,20 +184,34 @@ void run(Choices& choices) {
           counts.push_back(choices.flag() ? choices.in(0, 3) : choices.in(0, 60));
         }
         const Index n = *std::max_element(counts.begin(), counts.end());
+        // Each sequence's next ids: its prompt's, then any.
+        std::vector<std::vector<std::int64_t>> next(ids.size());
         Tensor<float> x({static_cast<Index>(ids.size()), n, E});
-        for (Index i = 0; i < x.size(); ++i) x.data()[i] = static_cast<float>(random.normal());
+        for (std::size_t i = 0; i < ids.size(); ++i) {
+          const auto& prompt = prompts[ids[i]];
+          const std::size_t done = tokens[ids[i]].size();
+          for (std::size_t t = 0; t < static_cast<std::size_t>(counts[i]); ++t) {
+            next[i].push_back(done + t < prompt.size()
+                                  ? prompt[done + t]
+                                  : static_cast<std::int64_t>(choices.in(0, kVocabulary - 1)));
+            x[static_cast<Index>(i)].matrix().row(static_cast<Index>(t)) =
+                embeddings.matrix().row(next[i].back());
+          }
+        }
         const auto out = layer.decode(x, cache, ids, options, counts).output;
         ++steps_run;
         if (!out.flat().allFinite()) violation("a step's output is not finite");
         for (std::size_t i = 0; i < ids.size(); ++i) {
           auto& history = tokens[ids[i]];
           const auto b = static_cast<Index>(i);
-          const float* rows = x[b].data();
-          history.insert(history.end(), rows, rows + counts[i] * E);
+          history.insert(history.end(), next[i].begin(), next[i].end());
           if (!exact || counts[i] == 0) continue;
-          const Index length = static_cast<Index>(history.size()) / E;
+          const auto length = static_cast<Index>(history.size());
           Tensor<float> sequence({1, length, E});
-          std::copy(history.begin(), history.end(), sequence.data());
+          for (Index t = 0; t < length; ++t) {
+            sequence[0].matrix().row(t) =
+                embeddings.matrix().row(history[static_cast<std::size_t>(t)]);
+          }
           const auto full = layer.forward(sequence, options).output;
           // test_kv_cache's bound for decoding against the forward: 1e-5 of the largest output.
           const auto expected = full[0].matrix().bottomRows(counts[i]);
@@ -168,12 +226,12 @@ void run(Choices& choices) {
         }
       }
     } catch (const mha::ShapeError&) {
-      steps_refused += kind >= 4 ? 1 : 0;
+      steps_refused += kind >= 5 ? 1 : 0;
       if (!(snapshot(cache) == before)) violation("a refused operation changed the cache");
     }
     check_accounting(cache);
   }
-  tally.count(steps_run > 0 ? 2 : steps_refused > 0 ? 3 : 1);
+  tally.count(steps_run > 0 && shared_prefix ? 4 : steps_run > 0 ? 2 : steps_refused > 0 ? 3 : 1);
 }
 
 }  // namespace

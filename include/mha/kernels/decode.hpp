@@ -17,7 +17,9 @@
 // Shapes: sequence b's queries are [n_b, H·D] and its output [n_b, H·Dv], rows query_stride and
 // out_stride apart; its keys [S_b, H_kv·D] and values [S_b, H_kv·Dv] (Stored: float, or a 16-bit
 // cache's half or bfloat16, or a quantized cache's blocks, widened as a sub-block is read), rows
-// kv_stride elements (blocks) apart; query head h reads key/value head h / G.
+// kv_stride elements (blocks) apart, in one buffer or, for a paged cache (paged_kv_cache.hpp), in
+// pages of a pool that the sequence's page table names (DecodeSequence); query head h reads
+// key/value head h / G.
 #pragma once
 
 #include <algorithm>
@@ -258,8 +260,6 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
     return options.alibi_slopes != nullptr || options.window.active() ||
            (options.causal != Causal::none && options.visible_end(n, r % n) < c0 + cols);
   };
-  // A sub-block of rows [j0, j0 + count) of the chunk's keys or values, as float rows `stride`
-  // apart: the cache's own rows, or a 16-bit cache's widened into `tile`.
   // The chunk's key (values = false) or value row j, in the cache's buffer or its page.
   const auto cache_row = [&](bool values, Index j) {
     return values ? seq.value_row(c0 + j, shape.kv_stride) : seq.key_row(c0 + j, shape.kv_stride);
@@ -268,6 +268,8 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
   const auto sub_rows = [&](Index j0, Index sub) {
     return std::min({sub, cols - j0, seq.rows_in_page(c0 + j0)});
   };
+  // A sub-block of rows [j0, j0 + count) of the chunk's keys or values, as float rows `stride`
+  // apart: the cache's own rows, or a 16-bit cache's widened into `tile`.
   const auto sub_block = [&](bool values, Index j0, Index count, Index width, Matrix<float>& tile,
                              Index& stride) -> const float* {
     const Stored* stored = cache_row(values, j0);

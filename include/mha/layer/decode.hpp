@@ -240,6 +240,7 @@ struct Decoding {
         done += rows;
       }
       cache.checked(sequence).length = first + count;
+      cache.register_pages(sequence);
       return first + count;
     }
 
