@@ -388,20 +388,28 @@ class PagedKVCache {
   // Unregisters a page about to be reused, and the pages registered after it (their key was made
   // from its tokens): a cached one of those then holds nothing.
   void forget(Index page) {
-    registry_.erase(page_key_[static_cast<std::size_t>(page)]);
-    page_key_[static_cast<std::size_t>(page)] = 0;
-    page_tokens_[static_cast<std::size_t>(page)].clear();
-    for (Index next = 0; next < num_pages(); ++next) {
-      if (!registered(next) || page_previous_[static_cast<std::size_t>(next)] != page) continue;
-      forget(next);
-      const auto cached = std::find(released_.begin(), released_.end(), next);
-      if (cached != released_.end()) {
-        released_.erase(cached);
-        free_.push_back(next);
+    std::vector<Index> pages{page};  // to forget: the page, then the pages registered after them
+    while (!pages.empty()) {
+      const Index forgotten = pages.back();
+      pages.pop_back();
+      registry_.erase(page_key_[static_cast<std::size_t>(forgotten)]);
+      page_key_[static_cast<std::size_t>(forgotten)] = 0;
+      page_tokens_[static_cast<std::size_t>(forgotten)].clear();
+      for (Index next = 0; next < num_pages(); ++next) {
+        if (!registered(next) || page_previous_[static_cast<std::size_t>(next)] != forgotten) {
+          continue;
+        }
+        pages.push_back(next);
+        const auto cached = std::find(released_.begin(), released_.end(), next);
+        if (cached != released_.end()) {
+          released_.erase(cached);
+          free_.push_back(next);
+        }
       }
+      page_previous_[static_cast<std::size_t>(forgotten)] = -1;
     }
-    page_previous_[static_cast<std::size_t>(page)] = -1;
   }
+
   // Calls f(buffer, elements per row) for each of the format's key and value buffers.
   template <class F>
   void for_each_buffer(F&& f) {
