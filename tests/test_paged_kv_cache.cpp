@@ -85,6 +85,13 @@ mha::ForwardOptions<T> options_for(const Setup& setup, const MultiHeadAttention<
   return options;
 }
 
+// decode's defaults with rotary embeddings: keys that depend on their positions.
+mha::ForwardOptions<float> rotary_decode_options() {
+  auto options = MultiHeadAttention<float>::decode_options();
+  options.rope = mha::Rope{10000, mha::RopeLayout::rotate_half, 0, 0};
+  return options;
+}
+
 // A schedule of steps for four sequences: prompts of different lengths (one sitting out), then
 // steps of one to three tokens, ragged, past the decoding kernel's 240-key chunks and many pages.
 std::vector<std::vector<Index>> schedule() {
@@ -190,8 +197,7 @@ TEST_CASE("fork shares pages until a step writes into one, and gives a copied ca
           "[decode][paged]") {
   MultiHeadAttention<float> layer(grouped(256, 8, 2));
   randomise(layer, 5);
-  auto options = layer.decode_options();
-  options.rope = mha::Rope{10000, mha::RopeLayout::rotate_half, 0, 0};
+  const auto options = rotary_decode_options();
   const Index E = layer.embed_dim(), prefix = 100;  // 48 + 48 + 4 rows: a last page not full
   const auto prompt = mha_test::random_tensor<float>({1, prefix, E}, 6);
   // The reference: both sequences of a KVCache decode the prompt.
@@ -311,8 +317,7 @@ TEST_CASE("prefix caching shares the pages of a prompt's cached prefix, and keep
           "[decode][paged]") {
   MultiHeadAttention<float> layer(grouped(128, 4, 2));
   randomise(layer, 14);
-  auto options = layer.decode_options();
-  options.rope = mha::Rope{10000, mha::RopeLayout::rotate_half, 0, 0};
+  const auto options = rotary_decode_options();
   const Index E = layer.embed_dim(), P = 48;
   // Token ids and their embeddings: token t's row is embedding(t).
   const auto table = mha_test::random_tensor<float>({64, E}, 15);

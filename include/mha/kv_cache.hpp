@@ -104,6 +104,50 @@ void check_quantizable_cache(KVCacheFormat format, Index num_kv_heads, Index hea
                                  " = " + std::to_string(num_kv_heads * head_dim));
   }
 }
+
+// The rows of keys and of values a cache stores, [rows, H_kv·D] each: in the layer's type, or in
+// a quantized format's blocks ([rows, H_kv·D / 32]); only the format's pair is allocated, on huge
+// pages (every decoding step reads the whole cache: see Paging).
+template <class T>
+struct StoredRows {
+  Tensor<T> keys, values;
+  AlignedBuffer<Q8Block> q8_keys, q8_values;
+  AlignedBuffer<Q4Block> q4_keys, q4_values;
+
+  void allocate(KVCacheFormat format, Index rows, Index width) {
+    if (format == KVCacheFormat::q8) {
+      q8_keys.resize(rows * (width / kQuantBlock), Paging::huge);
+      q8_values.resize(rows * (width / kQuantBlock), Paging::huge);
+    } else if (format == KVCacheFormat::q4) {
+      q4_keys.resize(rows * (width / kQuantBlock), Paging::huge);
+      q4_values.resize(rows * (width / kQuantBlock), Paging::huge);
+    } else {
+      keys.resize({rows, width}, Paging::huge);
+      values.resize({rows, width}, Paging::huge);
+    }
+  }
+  // Calls f(buffer, elements per row) for each of the format's two buffers.
+  template <class F>
+  void for_each(KVCacheFormat format, Index width, F&& f) {
+    if (format == KVCacheFormat::q8) {
+      f(q8_keys.data(), width / kQuantBlock);
+      f(q8_values.data(), width / kQuantBlock);
+    } else if (format == KVCacheFormat::q4) {
+      f(q4_keys.data(), width / kQuantBlock);
+      f(q4_values.data(), width / kQuantBlock);
+    } else {
+      f(keys.data(), width);
+      f(values.data(), width);
+    }
+  }
+  std::size_t bytes() const {
+    const auto bytes_of = [](const auto& buffer) {
+      return static_cast<std::size_t>(buffer.size()) * sizeof(*buffer.data());
+    };
+    return bytes_of(keys) + bytes_of(values) + bytes_of(q8_keys) + bytes_of(q8_values) +
+           bytes_of(q4_keys) + bytes_of(q4_values);
+  }
+};
 }  // namespace detail
 
 template <class T>
@@ -137,17 +181,7 @@ class KVCache {
     }
     const Index width = num_kv_heads * head_dim;
     if (quantized()) detail::check_quantizable_cache<T>(format, num_kv_heads, head_dim);
-    // On huge pages: every decoding step reads the whole cache (see Paging).
-    if (format == KVCacheFormat::q8) {
-      q8_keys_.resize(batch * capacity * (width / detail::kQuantBlock), Paging::huge);
-      q8_values_.resize(batch * capacity * (width / detail::kQuantBlock), Paging::huge);
-    } else if (format == KVCacheFormat::q4) {
-      q4_keys_.resize(batch * capacity * (width / detail::kQuantBlock), Paging::huge);
-      q4_values_.resize(batch * capacity * (width / detail::kQuantBlock), Paging::huge);
-    } else {
-      keys_.resize({batch, capacity, width}, Paging::huge);
-      values_.resize({batch, capacity, width}, Paging::huge);
-    }
+    stored_.allocate(format, batch * capacity, width);
     capacity_ = capacity;
     start_.assign(static_cast<std::size_t>(batch), 0);
     length_.assign(static_cast<std::size_t>(batch), 0);
@@ -170,19 +204,13 @@ class KVCache {
   bool quantized() const { return format_ != KVCacheFormat::as_layer; }
   // The bytes that hold the cached keys and values (capacity × H_kv·D of each, in the format's
   // elements or blocks): what a step over a full cache reads.
-  std::size_t storage_bytes() const {
-    const auto bytes = [](const auto& buffer) {
-      return static_cast<std::size_t>(buffer.size()) * sizeof(*buffer.data());
-    };
-    return bytes(keys_) + bytes(values_) + bytes(q8_keys_) + bytes(q8_values_) + bytes(q4_keys_) +
-           bytes(q4_values_);
-  }
+  std::size_t storage_bytes() const { return stored_.bytes(); }
 
   // The cached keys and values of sequence b, oldest first: [length(b), H_kv·D], head h in
   // columns h·D .. h·D + D - 1, rotated when the steps used rotary embeddings. A quantized cache
   // holds no such rows: read it with dequantized_keys and dequantized_values.
-  TensorView<const T> keys(Index b) const { return rows(keys_, b); }
-  TensorView<const T> values(Index b) const { return rows(values_, b); }
+  TensorView<const T> keys(Index b) const { return rows(stored_.keys, b); }
+  TensorView<const T> values(Index b) const { return rows(stored_.values, b); }
   // The same rows as float, in any format: a quantized cache's as its codes stand for them.
   Tensor<float> dequantized_keys(Index b) const { return dequantized(b, false); }
   Tensor<float> dequantized_values(Index b) const { return dequantized(b, true); }
@@ -248,7 +276,8 @@ class KVCache {
       detail::dequantize_rows(block_row<detail::Q4Block>(values, b, start_[i]), length_[i], width(),
                               width() / detail::kQuantBlock, tile);
     } else {
-      const T* first = (values ? values_ : keys_).data() + (b * capacity() + start_[i]) * width();
+      const T* first =
+          (values ? stored_.values : stored_.keys).data() + (b * capacity() + start_[i]) * width();
       for (Index e = 0; e < out.size(); ++e) tile.data()[e] = static_cast<float>(first[e]);
     }
     std::copy(tile.data(), tile.data() + out.size(), out.data());
@@ -263,9 +292,11 @@ class KVCache {
   const Block* block_row(bool values, Index b, Index row) const {
     const Index blocks = width() / detail::kQuantBlock;
     if constexpr (std::is_same_v<Block, detail::Q8Block>) {
-      return (values ? q8_values_ : q8_keys_).data() + (b * capacity() + row) * blocks;
+      return (values ? stored_.q8_values : stored_.q8_keys).data() +
+             (b * capacity() + row) * blocks;
     } else {
-      return (values ? q4_values_ : q4_keys_).data() + (b * capacity() + row) * blocks;
+      return (values ? stored_.q4_values : stored_.q4_keys).data() +
+             (b * capacity() + row) * blocks;
     }
   }
   // The rows where sequence b's next `count` keys go, making room first: a sliding cache moves
@@ -279,17 +310,7 @@ class KVCache {
         std::copy(base + start_[i] * row_elements, base + (start_[i] + length_[i]) * row_elements,
                   base);
       };
-      const Index blocks = width() / detail::kQuantBlock;
-      if (format_ == KVCacheFormat::q8) {
-        compact(q8_keys_.data(), blocks);
-        compact(q8_values_.data(), blocks);
-      } else if (format_ == KVCacheFormat::q4) {
-        compact(q4_keys_.data(), blocks);
-        compact(q4_values_.data(), blocks);
-      } else {
-        compact(keys_.data(), width());
-        compact(values_.data(), width());
-      }
+      stored_.for_each(format_, width(), compact);
       start_[i] = 0;
     }
     return start_[i] + length_[i];
@@ -305,15 +326,14 @@ class KVCache {
       length_[i] = window_;
     }
   }
-  T* key_row(Index b, Index row) { return keys_.data() + (b * capacity() + row) * width(); }
-  T* value_row(Index b, Index row) { return values_.data() + (b * capacity() + row) * width(); }
+  T* key_row(Index b, Index row) { return stored_.keys.data() + (b * capacity() + row) * width(); }
+  T* value_row(Index b, Index row) {
+    return stored_.values.data() + (b * capacity() + row) * width();
+  }
 
   Index num_kv_heads_ = 0, head_dim_ = 0, window_ = -1, capacity_ = 0;
   KVCacheFormat format_ = KVCacheFormat::as_layer;
-  Tensor<T> keys_, values_;  // [B, capacity, H_kv·D], as_layer
-  // [B, capacity, H_kv·D / 32] blocks, q8 or q4.
-  detail::AlignedBuffer<detail::Q8Block> q8_keys_, q8_values_;
-  detail::AlignedBuffer<detail::Q4Block> q4_keys_, q4_values_;
+  detail::StoredRows<T> stored_;  // [B · capacity, H_kv·D] rows
   std::vector<Index> start_, length_, position_;
   // The step's buffers, reused while shapes repeat: a cache belongs to one decoding thread.
   detail::DecodeStepBuffers<T> step_;

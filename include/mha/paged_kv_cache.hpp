@@ -82,18 +82,7 @@ class PagedKVCache {
       detail::throw_argument("num_pages", "expected at least 1, got " + std::to_string(num_pages));
     }
     if (quantized()) detail::check_quantizable_cache<T>(format, num_kv_heads, head_dim);
-    const Index rows = page_size * num_pages, width = num_kv_heads * head_dim;
-    // On huge pages: every decoding step reads every page of its sequences (see Paging).
-    if (format == KVCacheFormat::q8) {
-      q8_keys_.resize(rows * (width / detail::kQuantBlock), Paging::huge);
-      q8_values_.resize(rows * (width / detail::kQuantBlock), Paging::huge);
-    } else if (format == KVCacheFormat::q4) {
-      q4_keys_.resize(rows * (width / detail::kQuantBlock), Paging::huge);
-      q4_values_.resize(rows * (width / detail::kQuantBlock), Paging::huge);
-    } else {
-      keys_.resize({rows, width}, Paging::huge);
-      values_.resize({rows, width}, Paging::huge);
-    }
+    stored_.allocate(format, page_size * num_pages, num_kv_heads * head_dim);
     holders_.assign(static_cast<std::size_t>(num_pages), 0);
     page_key_.assign(static_cast<std::size_t>(num_pages), 0);
     page_previous_.assign(static_cast<std::size_t>(num_pages), -1);
@@ -111,13 +100,7 @@ class PagedKVCache {
   KVCacheFormat format() const { return format_; }
   bool quantized() const { return format_ != KVCacheFormat::as_layer; }
   // The bytes of the pool's keys and values, used or not (allocated at construction).
-  std::size_t storage_bytes() const {
-    const auto bytes = [](const auto& buffer) {
-      return static_cast<std::size_t>(buffer.size()) * sizeof(*buffer.data());
-    };
-    return bytes(keys_) + bytes(values_) + bytes(q8_keys_) + bytes(q8_values_) + bytes(q4_keys_) +
-           bytes(q4_values_);
-  }
+  std::size_t storage_bytes() const { return stored_.bytes(); }
 
   // ---- Sequences, named by the ids these return ----
 
@@ -410,20 +393,6 @@ class PagedKVCache {
     }
   }
 
-  // Calls f(buffer, elements per row) for each of the format's key and value buffers.
-  template <class F>
-  void for_each_buffer(F&& f) {
-    if (format_ == KVCacheFormat::q8) {
-      f(q8_keys_.data(), blocks());
-      f(q8_values_.data(), blocks());
-    } else if (format_ == KVCacheFormat::q4) {
-      f(q4_keys_.data(), blocks());
-      f(q4_values_.data(), blocks());
-    } else {
-      f(keys_.data(), width());
-      f(values_.data(), width());
-    }
-  }
   // Makes room for `count` more rows of `sequence`: its last page copied if shared (the rows it
   // holds), then new pages. Checked by the caller: pages_needed(sequence, count) are free.
   void reserve(Index sequence, Index count) {
@@ -432,7 +401,7 @@ class PagedKVCache {
     if (copies_last_page(s)) {
       const Index shared = s.pages.back(), page = take_page();
       const Index rows = s.length % page_size_;
-      for_each_buffer([&](auto* buffer, Index row_elements) {
+      stored_.for_each(format_, width(), [&](auto* buffer, Index row_elements) {
         const auto* from = buffer + shared * page_size_ * row_elements;
         std::copy(from, from + rows * row_elements, buffer + page * page_size_ * row_elements);
       });
@@ -458,7 +427,7 @@ class PagedKVCache {
                                  ": read it with dequantized_keys() and dequantized_values()");
     }
     Tensor<T> out({s.length, width()});
-    const T* pool = (values ? values_ : keys_).data();
+    const T* pool = (values ? stored_.values : stored_.keys).data();
     for (Index j = 0; j < s.length; ++j) {
       const T* row = pool + pool_row(sequence, j) * width();
       std::copy(row, row + width(), out.data() + j * width());
@@ -472,13 +441,15 @@ class PagedKVCache {
     for (Index j = 0; j < s.length; ++j) {
       const Index at = pool_row(sequence, j);
       if (format_ == KVCacheFormat::q8) {
-        detail::dequantize_rows((values ? q8_values_ : q8_keys_).data() + at * blocks(), 1, width(),
-                                blocks(), row);
+        detail::dequantize_rows(
+            (values ? stored_.q8_values : stored_.q8_keys).data() + at * blocks(), 1, width(),
+            blocks(), row);
       } else if (format_ == KVCacheFormat::q4) {
-        detail::dequantize_rows((values ? q4_values_ : q4_keys_).data() + at * blocks(), 1, width(),
-                                blocks(), row);
+        detail::dequantize_rows(
+            (values ? stored_.q4_values : stored_.q4_keys).data() + at * blocks(), 1, width(),
+            blocks(), row);
       } else {
-        const T* stored = (values ? values_ : keys_).data() + at * width();
+        const T* stored = (values ? stored_.values : stored_.keys).data() + at * width();
         for (Index e = 0; e < width(); ++e) row(0, e) = static_cast<float>(stored[e]);
       }
       std::copy(row.data(), row.data() + width(), out.data() + j * width());
@@ -488,10 +459,7 @@ class PagedKVCache {
 
   Index num_kv_heads_ = 0, head_dim_ = 0, page_size_ = 0;
   KVCacheFormat format_ = KVCacheFormat::as_layer;
-  Tensor<T> keys_, values_;  // [num_pages · page_size, H_kv·D], as_layer
-  // [num_pages · page_size, H_kv·D / 32] blocks, q8 or q4.
-  detail::AlignedBuffer<detail::Q8Block> q8_keys_, q8_values_;
-  detail::AlignedBuffer<detail::Q4Block> q4_keys_, q4_values_;
+  detail::StoredRows<T> stored_;  // [num_pages · page_size, H_kv·D] rows
   std::vector<Sequence> sequences_;
   std::vector<std::int32_t> holders_;  // per page: the sequences that hold it (0: free)
   std::vector<Index> free_;            // pages that hold nothing, taken from the back

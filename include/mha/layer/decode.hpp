@@ -228,14 +228,14 @@ struct Decoding {
         const Compute* k = keys + done * width;
         const Compute* v = values + done * width;
         if (cache.format() == KVCacheFormat::q8) {
-          store_rows(rows, width, k, v, cache.q8_keys_.data() + at * blocks,
-                     cache.q8_values_.data() + at * blocks);
+          store_rows(rows, width, k, v, cache.stored_.q8_keys.data() + at * blocks,
+                     cache.stored_.q8_values.data() + at * blocks);
         } else if (cache.format() == KVCacheFormat::q4) {
-          store_rows(rows, width, k, v, cache.q4_keys_.data() + at * blocks,
-                     cache.q4_values_.data() + at * blocks);
+          store_rows(rows, width, k, v, cache.stored_.q4_keys.data() + at * blocks,
+                     cache.stored_.q4_values.data() + at * blocks);
         } else {
-          store_rows(rows, width, k, v, cache.keys_.data() + at * width,
-                     cache.values_.data() + at * width);
+          store_rows(rows, width, k, v, cache.stored_.keys.data() + at * width,
+                     cache.stored_.values.data() + at * width);
         }
         done += rows;
       }
@@ -248,14 +248,16 @@ struct Decoding {
       const Index* table = cache.page_table(id(b)).data();
       const Index page = cache.page_size();
       if (cache.format() == KVCacheFormat::q8) {
-        cache.step_.q8_sequences.push_back({queries, attended, cache.q8_keys_.data(),
-                                            cache.q8_values_.data(), count, keys, table, page});
+        cache.step_.q8_sequences.push_back({queries, attended, cache.stored_.q8_keys.data(),
+                                            cache.stored_.q8_values.data(), count, keys, table,
+                                            page});
       } else if (cache.format() == KVCacheFormat::q4) {
-        cache.step_.q4_sequences.push_back({queries, attended, cache.q4_keys_.data(),
-                                            cache.q4_values_.data(), count, keys, table, page});
+        cache.step_.q4_sequences.push_back({queries, attended, cache.stored_.q4_keys.data(),
+                                            cache.stored_.q4_values.data(), count, keys, table,
+                                            page});
       } else {
-        cache.step_.sequences.push_back({queries, attended, cache.keys_.data(),
-                                         cache.values_.data(), count, keys, table, page});
+        cache.step_.sequences.push_back({queries, attended, cache.stored_.keys.data(),
+                                         cache.stored_.values.data(), count, keys, table, page});
       }
     }
 
@@ -277,18 +279,18 @@ struct Decoding {
       for (Index j = 0; j < rows; j += page) {
         const Index count = std::min(page, rows - j), at = cache.pool_row(sequence, j);
         if (cache.format() == KVCacheFormat::q8) {
-          dequantize_rows(cache.q8_keys_.data() + at * blocks, count, width, blocks,
+          dequantize_rows(cache.stored_.q8_keys.data() + at * blocks, count, width, blocks,
                           step.widened_keys.data() + j * width, width);
-          dequantize_rows(cache.q8_values_.data() + at * blocks, count, width, blocks,
+          dequantize_rows(cache.stored_.q8_values.data() + at * blocks, count, width, blocks,
                           step.widened_values.data() + j * width, width);
         } else if (cache.format() == KVCacheFormat::q4) {
-          dequantize_rows(cache.q4_keys_.data() + at * blocks, count, width, blocks,
+          dequantize_rows(cache.stored_.q4_keys.data() + at * blocks, count, width, blocks,
                           step.widened_keys.data() + j * width, width);
-          dequantize_rows(cache.q4_values_.data() + at * blocks, count, width, blocks,
+          dequantize_rows(cache.stored_.q4_values.data() + at * blocks, count, width, blocks,
                           step.widened_values.data() + j * width, width);
         } else {
-          const T* k = cache.keys_.data() + at * width;
-          const T* v = cache.values_.data() + at * width;
+          const T* k = cache.stored_.keys.data() + at * width;
+          const T* v = cache.stored_.values.data() + at * width;
           std::copy(k, k + count * width, step.gathered_keys.data() + j * width);
           std::copy(v, v + count * width, step.gathered_values.data() + j * width);
         }
