@@ -143,7 +143,8 @@ void check_same_as_contiguous(const MultiHeadAttention<T>& layer,
     const auto actual = layer.decode(reordered, paged, paged_ids, options, reordered_counts).output;
     for (Index i = 0; i < B; ++i) {
       const auto b = order[static_cast<std::size_t>(i)];
-      INFO("step of " << n << " tokens, sequence " << b << " (" << counts[b] << " new)");
+      INFO("step of " << n << " tokens, sequence " << b << " ("
+                      << counts[static_cast<std::size_t>(b)] << " new)");
       require_identical(Tensor<T>(actual[i]), Tensor<T>(expected[b]));
     }
   }
@@ -247,7 +248,8 @@ TEST_CASE("truncate and remove return pages, and decoding goes on as after a rew
   CHECK(paged.usage().used_pages == 2);
   CHECK(paged.length(s) == 60);
   for (Index step = 0; step < 5; ++step) {
-    const auto token = mha_test::random_tensor<float>({1, 1, E}, 20 + step);
+    const auto token =
+        mha_test::random_tensor<float>({1, 1, E}, static_cast<std::uint64_t>(20 + step));
     require_identical(layer.decode(token, paged, {s}, options).output,
                       layer.decode(token, contiguous, options).output);
   }

@@ -192,7 +192,7 @@ class PagedKVCache {
   // The pool's pages that hold `sequence`'s rows, in order.
   const std::vector<Index>& page_table(Index sequence) const { return checked(sequence).pages; }
   // The free pages a step appending `count` tokens to `sequence` takes: new pages, and a copy of
-  // its last page where that page is shared and not full.
+  // its last page where that page is not full and shared or registered (prefix caching).
   Index pages_needed(Index sequence, Index count) const {
     const Sequence& s = checked(sequence);
     if (count <= 0) return 0;
