@@ -18,6 +18,7 @@
 #include "mha/compiled.hpp"
 #include "mha/kernels/flash.hpp"
 #include "mha/kernels/reference.hpp"
+#include "mha/kernels/sinks.hpp"
 #include "mha/kernels/talking_heads.hpp"
 #include "mha/mask.hpp"
 #include "mha/tensor.hpp"
@@ -116,16 +117,42 @@ inline Kernel resolve_kernel(Kernel requested, bool need_weights) {
 // Runs the chosen kernel over (B, H) heads; weights as in attention_reference, logsumexp (for
 // the flash backward) as in attention_flash. With talking heads, the talking-heads kernel (a
 // reference kernel that mixes heads), whatever `kernel` says: callers refuse flash before.
+// The flash kernel, then the sinks' correction of its rows (kernels/sinks.hpp), which needs
+// their log-sum-exp: the caller's buffer, or one of this call's.
+template <class T, class Stored>
+void attention_flash_with_sinks(Index batch, Index heads, const HeadLayout<const T>& q,
+                                const HeadLayout<const Stored>& k,
+                                const HeadLayout<const Stored>& v, const HeadLayout<T>& out,
+                                const CoreOptions<T>& options,
+                                std::vector<KernelScratch<T>>& scratch, T* logsumexp) {
+  std::vector<T> own_logsumexp;
+  if (options.sinks != nullptr && logsumexp == nullptr) {
+    own_logsumexp.resize(static_cast<std::size_t>(batch * heads * q.rows));
+    logsumexp = own_logsumexp.data();
+  }
+  attention_flash<T, Stored>(batch, heads, q, k, v, out, options, scratch, logsumexp);
+  if (options.sinks != nullptr) apply_sinks(batch, heads, out, logsumexp, options.sinks);
+}
+
+inline void check_no_sinks_with_talking_heads(bool sinks, bool talking_heads) {
+  if (sinks && talking_heads) {
+    throw_argument("sinks",
+                   "learnable sinks and talking heads do not combine (the talking-heads "
+                   "kernel has no sink column)");
+  }
+}
+
 template <class T>
 void attention(Kernel kernel, Index batch, Index heads, const HeadLayout<const T>& q,
                const HeadLayout<const T>& k, const HeadLayout<const T>& v, const HeadLayout<T>& out,
                const CoreOptions<T>& options, T* weights, std::vector<KernelScratch<T>>& scratch,
                T* logsumexp = nullptr) {
   if (options.talking_heads.active()) {
+    check_no_sinks_with_talking_heads(options.sinks != nullptr, true);
     attention_talking_heads<T>(batch, heads, q, k, v, out, options, options.talking_heads, weights,
                                scratch);
   } else if (kernel == Kernel::flash) {
-    attention_flash<T>(batch, heads, q, k, v, out, options, scratch, logsumexp);
+    attention_flash_with_sinks<T, T>(batch, heads, q, k, v, out, options, scratch, logsumexp);
   } else {
     attention_reference<T>(batch, heads, q, k, v, out, options, weights, scratch);
   }
@@ -140,7 +167,7 @@ void attention(Kernel kernel, Index batch, Index heads, const HeadLayout<const T
                const HeadLayout<T>& out, const CoreOptions<T>& options, T* weights,
                std::vector<KernelScratch<T>>& scratch, T* logsumexp = nullptr) {
   if (kernel == Kernel::flash && !options.talking_heads.active()) {
-    attention_flash<T, Stored>(batch, heads, q, k, v, out, options, scratch, logsumexp);
+    attention_flash_with_sinks<T, Stored>(batch, heads, q, k, v, out, options, scratch, logsumexp);
     return;
   }
   // Each batch's span, from its first stored element to its last, keeps its strides in the copy.
@@ -163,8 +190,9 @@ void attention(Kernel kernel, Index batch, Index heads, const HeadLayout<const T
                weights, scratch, logsumexp);
 }
 
-// The backward of the kernel that ran forward; the flash one needs its logsumexp. With talking
-// heads, grad_pre and grad_post (null, or [H, H]) receive the mixes' gradients.
+// The backward of the kernel that ran forward; the flash one needs its logsumexp (with sinks,
+// the corrected one the forward left). With talking heads, grad_pre and grad_post (null, or
+// [H, H]) receive the mixes' gradients; with sinks, grad_sinks [H] is added the sinks'.
 template <class T>
 void attention_backward(Kernel kernel, Index batch, Index heads, const HeadLayout<const T>& q,
                         const HeadLayout<const T>& k, const HeadLayout<const T>& v,
@@ -172,17 +200,31 @@ void attention_backward(Kernel kernel, Index batch, Index heads, const HeadLayou
                         const T* logsumexp, const HeadLayout<T>& grad_q,
                         const HeadLayout<T>& grad_k, const HeadLayout<T>& grad_v,
                         const CoreOptions<T>& options, std::vector<KernelScratch<T>>& scratch,
-                        T* grad_pre = nullptr, T* grad_post = nullptr) {
+                        T* grad_pre = nullptr, T* grad_post = nullptr, T* grad_sinks = nullptr) {
   if (options.talking_heads.active()) {
+    check_no_sinks_with_talking_heads(options.sinks != nullptr, true);
     attention_talking_heads_backward<T>(batch, heads, q, k, v, grad_out, grad_q, grad_k, grad_v,
                                         options, options.talking_heads, grad_pre, grad_post,
                                         scratch);
   } else if (kernel == Kernel::flash) {
     attention_flash_backward<T>(batch, heads, q, k, v, out, grad_out, logsumexp, grad_q, grad_k,
                                 grad_v, options, scratch);
+    if (options.sinks != nullptr && grad_sinks != nullptr) {
+      accumulate_sink_gradients(batch, heads, out, grad_out, logsumexp, options.sinks, grad_sinks);
+    }
   } else {
+    // Each task's sink gradients apart (tasks of one head run on different threads), then summed
+    // over the batch in order.
+    std::vector<T> per_task;
+    if (options.sinks != nullptr && grad_sinks != nullptr) {
+      per_task.resize(static_cast<std::size_t>(batch * heads));
+    }
     attention_reference_backward<T>(batch, heads, q, k, v, grad_out, grad_q, grad_k, grad_v,
-                                    options, scratch);
+                                    options, scratch, per_task.empty() ? nullptr : per_task.data());
+    for (Index b = 0; b < batch && !per_task.empty(); ++b) {
+      for (Index h = 0; h < heads; ++h)
+        grad_sinks[h] += per_task[static_cast<std::size_t>(b * heads + h)];
+    }
   }
 }
 
@@ -198,7 +240,7 @@ void attention_backward(Kernel kernel, Index batch, Index heads, const HeadLayou
       Kernel, Index, Index, const HeadLayout<const T>&, const HeadLayout<const T>&,         \
       const HeadLayout<const T>&, const HeadLayout<const T>&, const HeadLayout<const T>&,   \
       const T*, const HeadLayout<T>&, const HeadLayout<T>&, const HeadLayout<T>&,           \
-      const CoreOptions<T>&, std::vector<KernelScratch<T>>&, T*, T*);
+      const CoreOptions<T>&, std::vector<KernelScratch<T>>&, T*, T*, T*);
 // NOLINTEND(bugprone-macro-parentheses)
 // NOLINTBEGIN(bugprone-macro-parentheses): the arguments are a type and a keyword
 #define MHA_STORED_KERNEL_TEMPLATES(PREFIX, Stored)                                          \
@@ -282,6 +324,11 @@ struct AttentionOptions {
   // Logit soft-capping, as Gemma 2 and FlashAttention's softcap: scores become
   // c tanh(scale q kᵀ / c) before masks and biases; 0 = none.
   T softcap = T(0);
+  // Learnable attention sinks, as gpt-oss and FlashAttention's learnable_sink: empty, or one
+  // finite logit per query head [H] that joins each row's softmax as a column whose value is zero
+  // (kernels/sinks.hpp). Rows then sum to less than 1; a row that sees no key gives 0. The
+  // backward returns their gradient (AttentionGradients::sinks).
+  std::vector<T> sinks;
   // Multiplies q kᵀ; 1/sqrt(D) when not given.
   std::optional<T> scale;
   bool need_weights = false;
@@ -308,6 +355,7 @@ struct AttentionResult {
 template <class T>
 struct AttentionGradients {
   Tensor<T> query, key, value;  // the shapes of the inputs
+  Tensor<T> sinks;              // [H] with AttentionOptions::sinks, else empty
 };
 
 namespace detail {
@@ -406,6 +454,7 @@ AttentionProblem<T> attention_problem(const TensorView<const T>& query,
   core.alibi_slopes = checked_alibi_slopes(options.alibi_slopes, problem.heads);
   core.alibi_alignment = options.alibi_alignment;
   core.softcap = checked_softcap(options.softcap);
+  core.sinks = checked_sinks(options.sinks, problem.heads, "sinks");
   core.dropout = {options.dropout, options.dropout_seed, problem.heads, problem.query_len,
                   problem.key_len};
   core.bf16_products = options.precision == Precision::bf16 && bf16_arithmetic_available();
@@ -472,6 +521,9 @@ AttentionGradients<T> scaled_dot_product_attention_backward(
   grads.query = Tensor<T>(query.shape());
   grads.key = Tensor<T>(key.shape());
   grads.value = Tensor<T>(value.shape());
+  if (!options.sinks.empty()) {
+    grads.sinks = Tensor<T>({problem.heads});
+  }
   std::vector<detail::KernelScratch<T>> scratch;
   detail::attention_backward<T>(
       problem.kernel, problem.batch, problem.heads,
@@ -482,7 +534,8 @@ AttentionGradients<T> scaled_dot_product_attention_backward(
       problem.heads_of(grad_output.data(), query_len, problem.value_dim), result.logsumexp.data(),
       problem.heads_of(grads.query.data(), query_len, problem.head_dim),
       problem.kv_heads_of(grads.key.data(), key_len, problem.head_dim),
-      problem.kv_heads_of(grads.value.data(), key_len, problem.value_dim), problem.core, scratch);
+      problem.kv_heads_of(grads.value.data(), key_len, problem.value_dim), problem.core, scratch,
+      nullptr, nullptr, options.sinks.empty() ? nullptr : grads.sinks.data());
   return grads;
 }
 

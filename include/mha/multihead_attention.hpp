@@ -13,8 +13,8 @@
 // from PyTorch loads without renaming or transposing (the list is in layer/parameters.hpp):
 // in_proj_weight [3E, E] (or q_proj_weight, k_proj_weight, v_proj_weight when kdim or vdim is not
 // E), in_proj_bias [3E], out_proj.weight [E, E], out_proj.bias [E], bias_k and bias_v [1, 1, E],
-// and talking_heads_pre / _post [H, H], which no PyTorch module has. Every projection is y = x Wᵀ +
-// b. The forward pass:
+// talking_heads_pre / _post [H, H], which no PyTorch module has, and sinks [H] (gpt-oss's learnable
+// attention sinks, config.learnable_sinks). Every projection is y = x Wᵀ + b. The forward pass:
 //   q, k, v = projections of query [B, L, E], key [B, S, kdim], value [B, S, vdim]
 //   k, v   += bias_k, bias_v as one more key/value row        (add_bias_kv)
 //   k, v   += one zero row                                     (add_zero_attn)

@@ -231,6 +231,9 @@ struct CoreOptions {
   TalkingHeads<T> talking_heads;
   // Precision::bf16: the flash kernel's products in bf16 with fp32 sums where it can (FlashPath).
   bool bf16_products = false;
+  // Learnable attention sinks (kernels/sinks.hpp): null, or one logit per query head [H] that
+  // joins each row's softmax normaliser.
+  const T* sinks = nullptr;
 
   // tile += the scaled (and capped) scores of q [rows, D] against k [cols, D]. With softcap, the
   // capped scores are left in the top-left corner of `capped` (which the caller sized to hold the

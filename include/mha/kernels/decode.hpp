@@ -553,11 +553,12 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
   }
 }
 
-// out [Dv] = the merge of `chunks` partial states `chunk_stride` floats apart (see the top).
+// out [Dv] = the merge of `chunks` partial states `chunk_stride` floats apart (see the top). A
+// sink logit (kernels/sinks.hpp; -inf for none) joins as one more state: m = sink, l = 1, acc = 0.
 inline void merge_partials(const float* first, Index chunks, Index chunk_stride, Index value_dim,
-                           float* out) {
+                           float* out, float sink) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  float overall_max = kNegInf;
+  float overall_max = sink;
   bool nan = false;
   for (Index c = 0; c < chunks; ++c) {
     const float* state = first + c * chunk_stride;
@@ -570,7 +571,7 @@ inline void merge_partials(const float* first, Index chunks, Index chunk_stride,
     result.setConstant(nan ? std::numeric_limits<float>::quiet_NaN() : 0.0F);
     return;
   }
-  float total = 0.0F;
+  float total = sink == kNegInf ? 0.0F : std::exp(sink - overall_max);
   result.setZero();
   for (Index c = 0; c < chunks; ++c) {
     const float* state = first + c * chunk_stride;
@@ -670,9 +671,11 @@ void decode_attention(const std::vector<DecodeSequence<Stored>>& sequences,
       const auto& seq = sequences[static_cast<std::size_t>(b)];
       const Index n = seq.query_count, task_rows = shape.heads * n;
       for (Index i = 0; i < n; ++i) {
-        merge_partials(partials + partial_begin[b] + (h * n + i) * partial_width, chunks_of(seq),
-                       task_rows * partial_width, shape.value_dim,
-                       seq.out + i * shape.out_stride + h * shape.value_dim);
+        merge_partials(
+            partials + partial_begin[b] + (h * n + i) * partial_width, chunks_of(seq),
+            task_rows * partial_width, shape.value_dim,
+            seq.out + i * shape.out_stride + h * shape.value_dim,
+            options.sinks != nullptr ? options.sinks[h] : -std::numeric_limits<float>::infinity());
       }
     }
   }

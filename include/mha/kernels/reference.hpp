@@ -5,6 +5,7 @@
 
 #include "mha/compiled.hpp"
 #include "mha/kernels/common.hpp"
+#include "mha/kernels/sinks.hpp"
 #include "mha/softmax.hpp"
 
 namespace mha::detail {
@@ -40,7 +41,11 @@ void attention_reference(Index batch, Index heads, const HeadLayout<const T>& q,
       options.masks(b, h, query_len, 0, 0, scores);
       options.add_scores(scores, q.at(b, h), k.at(b, h), mine.capped);
       // pass 2: probabilities (dropped out in training), then their weighted sum of values
-      softmax_rows_inplace(scores, mine.exps);
+      if (options.sinks != nullptr) {
+        softmax_rows_with_sink_inplace(scores, options.sinks[h], mine.exps);
+      } else {
+        softmax_rows_inplace(scores, mine.exps);
+      }
       if (options.dropout.active()) options.dropout.apply(b, h, 0, 0, scores);
       tile_product<T>(out.at(b, h), const_strided(scores), Operand::as_stored, v.at(b, h),
                       Operand::as_stored, Accumulate::no);
@@ -62,13 +67,15 @@ void attention_reference(Index batch, Index heads, const HeadLayout<const T>& q,
 // A fully masked row has P = 0 and so gives no gradient to anything. Under grouped-query
 // attention (k.group > 1) a task is one stored key/value head: its query heads' contributions to
 // grad_k and grad_v are summed in one thread, so no two threads write the same rows.
+// With sinks (kernels/sinks.hpp), P has the sink column, whose dP is 0: its gradient is
+// -Σ_rows P_sink · rowsum(P ∘ dP), which sink_grads [B, H] (null without sinks) receives per task.
 template <class T>
 void attention_reference_backward(Index batch, Index heads, const HeadLayout<const T>& q,
                                   const HeadLayout<const T>& k, const HeadLayout<const T>& v,
                                   const HeadLayout<const T>& grad_out, const HeadLayout<T>& grad_q,
                                   const HeadLayout<T>& grad_k, const HeadLayout<T>& grad_v,
                                   const CoreOptions<T>& options,
-                                  std::vector<KernelScratch<T>>& scratch) {
+                                  std::vector<KernelScratch<T>>& scratch, T* sink_grads = nullptr) {
   const Index query_len = q.rows, key_len = k.rows;
   const Index group = k.group;
   const Index tasks = batch * (heads / group);
@@ -83,6 +90,7 @@ void attention_reference_backward(Index batch, Index heads, const HeadLayout<con
     if (options.softcap > T(0)) mine.capped.resize(query_len, key_len);
     mine.exps.resize(key_len);
     mine.row_dot.resize(query_len);
+    mine.row_sum.resize(query_len);  // each row's P_sink, with sinks
     Matrix<T>& probs = mine.scores;
     Matrix<T>& grad_scores = mine.grad_scores;
     MHA_OMP_PRAGMA(omp for schedule(static))
@@ -100,7 +108,11 @@ void attention_reference_backward(Index batch, Index heads, const HeadLayout<con
         // P, recomputed as the forward pass computed it
         options.masks(b, h, query_len, 0, 0, probs);
         options.add_scores(probs, q_bh, k_bh, mine.capped);
-        softmax_rows_inplace(probs, mine.exps);
+        if (options.sinks != nullptr) {
+          softmax_rows_with_sink_inplace(probs, options.sinks[h], mine.exps, mine.row_sum.data());
+        } else {
+          softmax_rows_inplace(probs, mine.exps);
+        }
         // grad_v from the dropped-out weights Pd = P ∘ Z, built in the dS buffer; then dP = dPd ∘ Z
         const Matrix<T>* dropped = &probs;
         if (options.dropout.active()) {
@@ -116,6 +128,7 @@ void attention_reference_backward(Index batch, Index heads, const HeadLayout<con
         if (options.dropout.active()) options.dropout.apply(b, h, 0, 0, grad_scores);
         // dS = P ∘ (dP - rowsum(P ∘ dP)), in place of dP
         mine.row_dot = (probs.array() * grad_scores.array()).rowwise().sum().matrix();
+        if (sink_grads != nullptr) sink_grads[b * heads + h] = -mine.row_sum.dot(mine.row_dot);
         grad_scores.array() =
             probs.array() * (grad_scores.array().colwise() - mine.row_dot.array());
         options.softcap_backward(grad_scores, mine.capped);
@@ -139,7 +152,7 @@ void attention_reference_backward(Index batch, Index heads, const HeadLayout<con
       Index, Index, const HeadLayout<const T>&, const HeadLayout<const T>&,         \
       const HeadLayout<const T>&, const HeadLayout<const T>&, const HeadLayout<T>&, \
       const HeadLayout<T>&, const HeadLayout<T>&, const CoreOptions<T>&,            \
-      std::vector<KernelScratch<T>>&);
+      std::vector<KernelScratch<T>>&, T*);
 // NOLINTEND(bugprone-macro-parentheses)
 MHA_EXTERN_TEMPLATES(MHA_COMPUTE_TYPES, MHA_REFERENCE_KERNEL_TEMPLATES)
 

@@ -38,6 +38,10 @@ struct MultiHeadAttentionConfig {
   // prune_heads is refused.
   bool talking_heads_pre = false;
   bool talking_heads_post = false;
+  // Learnable attention sinks (gpt-oss; kernels/sinks.hpp): a parameter "sinks" [H], one logit
+  // per query head that joins each row's softmax as a column whose value is zero, so a head may
+  // attend to nothing. Initialised to 0. Not with talking heads, nor in a 16-bit layer.
+  bool learnable_sinks = false;
   double dropout = 0;
   std::uint64_t seed = 0;
 
@@ -79,6 +83,11 @@ inline MultiHeadAttentionConfig completed_config(MultiHeadAttentionConfig config
                                        std::to_string(config.num_kv_heads));
   }
   if (config.num_kv_heads == 0) config.num_kv_heads = config.num_heads;
+  if (config.learnable_sinks && (config.talking_heads_pre || config.talking_heads_post)) {
+    throw_argument("learnable_sinks",
+                   "do not combine with talking heads (the talking-heads "
+                   "kernel has no sink column)");
+  }
   if (config.kdim == 0) config.kdim = embed;
   if (config.vdim == 0) config.vdim = embed;
   return config;

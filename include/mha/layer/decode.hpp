@@ -359,6 +359,7 @@ ForwardResult<T> Decoding<T>::run(const LayerParameters<T>& parameters,
   core.alibi_alignment = Alignment::bottom_right;
   core.softcap = checked_softcap(options.softcap);
   core.talking_heads = parameters.talking_heads();
+  core.sinks = parameters.sinks();
 
   // Every sequence's n rows projected at once; padding rows too (cheaper than gathering).
   const auto input = as_compute(x, buffers.input);  // [B*n, E]

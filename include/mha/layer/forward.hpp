@@ -179,6 +179,7 @@ CoreOptions<compute_t<T>> core_options(const LayerParameters<T>& parameters,
   core.alibi_alignment = options.causal_alignment;
   core.softcap = checked_softcap(options.softcap);
   core.talking_heads = parameters.talking_heads();
+  core.sinks = parameters.sinks();
   core.bf16_products = options.precision == Precision::bf16 && bf16_arithmetic_available();
   return core;
 }

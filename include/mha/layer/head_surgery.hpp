@@ -75,6 +75,7 @@ void prune_heads(LayerParameters<T>& parameters, const std::vector<Index>& heads
     }
     to.out_proj_weight.matrix().middleCols(target, width) =
         from.out_proj_weight.matrix().middleCols(source, width);
+    if (config.learnable_sinks) to.sinks.data()[i] = from.sinks.data()[kept[i]];
   }
   if (config.bias) to.out_proj_bias = from.out_proj_bias;
   parameters = std::move(next);

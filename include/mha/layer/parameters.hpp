@@ -9,6 +9,7 @@
 //   in_proj_bias [H·D + 2·H_kv·D], out_proj.weight [E, H·D], out_proj.bias [E]   (bias = true)
 //   bias_k, bias_v [1, 1, H_kv·D]                                       (add_bias_kv = true)
 //   talking_heads_pre, talking_heads_post [H, H]                        (talking heads)
+//   sinks [H]                                                           (learnable_sinks)
 //
 // The projections are numbered which = 0, 1, 2 for q, k and v throughout the layer.
 #pragma once
@@ -37,6 +38,7 @@ struct ParameterSet {
   Tensor<T> in_proj_bias, bias_k, bias_v;
   Tensor<T> out_proj_weight, out_proj_bias;
   Tensor<T> talking_heads_pre, talking_heads_post;
+  Tensor<T> sinks;
 };
 
 template <class T>
@@ -146,6 +148,15 @@ class LayerParameters {
     return layout;
   }
 
+  // The sink logits [H] the kernels read (CoreOptions::sinks), or null.
+  const Compute* sinks() const {
+    if constexpr (is_16bit_v<T>) {
+      return nullptr;  // refused by the constructor
+    } else {
+      return config_.learnable_sinks ? values_.sinks.data() : nullptr;
+    }
+  }
+
   TalkingHeads<Compute> talking_heads() const {
     if constexpr (is_16bit_v<T>) {
       return {};  // refused by the constructor
@@ -178,6 +189,10 @@ LayerParameters<T>::LayerParameters(const MultiHeadAttentionConfig& config)
     throw_argument("talking_heads_pre/talking_heads_post",
                    "are not available in a 16-bit layer: use MultiHeadAttention<float>");
   }
+  if (is_16bit_v<T> && config_.learnable_sinks) {
+    throw_argument("learnable_sinks",
+                   "are not available in a 16-bit layer yet: use MultiHeadAttention<float>");
+  }
   const Index embed = config_.embed_dim, inner = inner_dim(), kv_width = kv_dim();
   if (packed_projection()) {
     values_.in_proj_weight = Tensor<T>({inner + 2 * kv_width, embed});
@@ -198,6 +213,7 @@ LayerParameters<T>::LayerParameters(const MultiHeadAttentionConfig& config)
   const Index heads = config_.num_heads;
   if (config_.talking_heads_pre) values_.talking_heads_pre = Tensor<T>({heads, heads});
   if (config_.talking_heads_post) values_.talking_heads_post = Tensor<T>({heads, heads});
+  if (config_.learnable_sinks) values_.sinks = Tensor<T>({heads});
 }
 
 template <class T>
@@ -228,6 +244,7 @@ MultiHeadAttentionConfig LayerParameters<T>::config_of_state_dict(
   config.add_bias_kv = state.count("bias_k") > 0 || state.count("bias_v") > 0;
   config.talking_heads_pre = state.count("talking_heads_pre") > 0;
   config.talking_heads_post = state.count("talking_heads_post") > 0;
+  config.learnable_sinks = state.count("sinks") > 0;
   if (state.count("in_proj_weight") > 0) return config;
   const auto width = [&](const char* name) -> Index {
     const auto it = state.find(name);
@@ -331,6 +348,7 @@ void LayerParameters<T>::reset(std::uint64_t seed) {
   for (Tensor<T>* mix : {&values_.talking_heads_pre, &values_.talking_heads_post}) {
     if (mix->size() > 0) mix->matrix().setIdentity();
   }
+  if (config_.learnable_sinks) values_.sinks.flat().setZero();
 }
 
 template <class T>
@@ -395,6 +413,7 @@ typename LayerParameters<T>::NamedTensors LayerParameters<T>::named(
   if (config_.bias) named.emplace_back("out_proj.bias", &set.out_proj_bias);
   if (config_.talking_heads_pre) named.emplace_back("talking_heads_pre", &set.talking_heads_pre);
   if (config_.talking_heads_post) named.emplace_back("talking_heads_post", &set.talking_heads_post);
+  if (config_.learnable_sinks) named.emplace_back("sinks", &set.sinks);
   return named;
 }
 

@@ -228,7 +228,7 @@ void backward(LayerParameters<T>& parameters, const void* layer, SavedState<T>& 
       saved.logsumexp.data(), parameters.head_layout(grad_q_data, query_len, q_stride),
       parameters.kv_head_layout(grad_k_data, total_keys, kv_stride),
       parameters.kv_head_layout(grad_v_data, total_keys, kv_stride), core, saved.workspace.kernel,
-      grad_pre.data(), grad_post.data());
+      grad_pre.data(), grad_post.data(), config.learnable_sinks ? grads.sinks.data() : nullptr);
   // The kernel overwrites the mixes' gradients; parameters' gradients accumulate.
   if (config.talking_heads_pre) grads.talking_heads_pre.flat() += grad_pre.flat();
   if (config.talking_heads_post) grads.talking_heads_post.flat() += grad_post.flat();
