@@ -135,6 +135,10 @@ class TokenRows {
   std::vector<float> rows_;
 };
 
+double seconds_since(Clock::time_point begin) {
+  return std::chrono::duration<double>(Clock::now() - begin).count();
+}
+
 struct RunResult {
   std::string name, scheduling;
   bool paged = false;
@@ -146,6 +150,8 @@ struct RunResult {
   Index steps = 0, calls = 0, peak_running = 0, preemptions = 0;
   double mean_running = 0;
   Index rows_computed = 0, rows_projected = 0;  // real token rows, and rows incl. padding
+  // Time in calls that carry a prompt chunk, and in calls of one-token steps only.
+  double prompt_call_seconds = 0, token_call_seconds = 0;
   // Paged only: pages held after each step, and the rows of held pages that hold no token.
   Index peak_pages = 0;
   double mean_pages = 0, wasted_rows_per_sequence = 0;
@@ -208,7 +214,7 @@ class Server {
     }
     const auto begin = Clock::now();
     run_step();
-    clock_ += std::chrono::duration<double>(Clock::now() - begin).count();
+    clock_ += seconds_since(begin);
     ++result_.steps;
     emit_tokens();
   }
@@ -385,13 +391,17 @@ class PagedServer : public Server {
     }
     if (!single_ids.empty()) {
       const auto batch = static_cast<Index>(single_ids.size());
+      const auto begin = Clock::now();
       model_.decode(tokens_.view(batch, 1), pool_, single_ids, options_);
+      result_.token_call_seconds += seconds_since(begin);
       ++result_.calls;
       result_.rows_projected += batch;
     }
     for (std::size_t b = 0; b < ids.size(); ++b) {
       if (!prefilling(stepped_[b])) continue;
+      const auto begin = Clock::now();
       model_.decode(tokens_.view(1, counts_[b]), pool_, {ids[b]}, options_);
+      result_.prompt_call_seconds += seconds_since(begin);
       ++result_.calls;
       result_.rows_projected += counts_[b];
     }
@@ -487,7 +497,10 @@ class ContiguousServer : public Server {
       const std::vector<Index> group_counts(first, first + per_cache_);
       const Index n = *std::max_element(group_counts.begin(), group_counts.end());
       if (n == 0) continue;
+      const auto begin = Clock::now();
       model_.decode(tokens_.view(per_cache_, n), caches_[g], options_, group_counts);
+      // (A chunk's last piece may be one token: such a call counts as a one-token call.)
+      (n > 1 ? result_.prompt_call_seconds : result_.token_call_seconds) += seconds_since(begin);
       ++result_.calls;
       result_.rows_projected += per_cache_ * n;
     }
@@ -525,6 +538,8 @@ void print(const RunResult& r, const Settings& settings) {
               1e3 * percentile(r.tpot, 0.99));
   std::printf("  concurrency: peak %td, mean %.1f sequences a step\n", r.peak_running,
               r.mean_running);
+  std::printf("  in calls: %.2f s with prompt chunks, %.2f s of one-token steps only\n",
+              r.prompt_call_seconds, r.token_call_seconds);
   std::printf("  rows projected %td, of which padding %td (%.1f%%)\n", r.rows_projected,
               r.rows_projected - r.rows_computed,
               100.0 * static_cast<double>(r.rows_projected - r.rows_computed) /
@@ -570,14 +585,15 @@ void write_json(const std::string& path, const Settings& settings,
                  "\"tpot_p99_ms\": %.3f, \"peak_running\": %td, \"mean_running\": %.2f, "
                  "\"steps\": %td, \"calls\": %td, \"rows_projected\": %td, \"rows_computed\": %td, "
                  "\"peak_pages\": %td, \"mean_pages\": %.2f, \"wasted_rows_per_sequence\": %.2f, "
-                 "\"preemptions\": %td}%s\n",
+                 "\"preemptions\": %td, \"prompt_call_s\": %.4f, \"token_call_s\": %.4f}%s\n",
                  r.name.c_str(), r.paged ? "true" : "false", r.kv_bytes, r.elapsed, r.idle,
                  r.requests, r.prompt_tokens, r.output_tokens, output_rate(r),
                  static_cast<double>(r.prompt_tokens + r.output_tokens) / r.elapsed,
                  percentile(r.ttft, 0.5), percentile(r.ttft, 0.99), 1e3 * percentile(r.tpot, 0.5),
                  1e3 * percentile(r.tpot, 0.99), r.peak_running, r.mean_running, r.steps, r.calls,
                  r.rows_projected, r.rows_computed, r.peak_pages, r.mean_pages,
-                 r.wasted_rows_per_sequence, r.preemptions, i + 1 < runs.size() ? "," : "");
+                 r.wasted_rows_per_sequence, r.preemptions, r.prompt_call_seconds,
+                 r.token_call_seconds, i + 1 < runs.size() ? "," : "");
   }
   std::fprintf(file, "  ],\n  \"throughput_ratio_paged_over_best_contiguous\": %.3f\n}\n", ratio);
   std::fclose(file);
