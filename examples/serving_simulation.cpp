@@ -8,20 +8,22 @@
 // vectors are fixed random rows: the cost of a step depends on the counts, not on the values.
 //
 // One FrozenMultiHeadAttention<float> (E = 2048, H = 16, H_kv = 2, D = 128 by default: the
-// attention of a 7B-class model with grouped queries) stands for the model; a real server runs
-// dozens of such layers plus MLPs per step, which scales both runs' step times alike.
+// attention of a 7B-class model with grouped queries) stands for the model. A real model has
+// dozens of such layers and MLPs too, whose weights every step also reads: more weight bytes a
+// step, which more concurrency amortizes, so this layer alone understates what paging gains.
 //
 // Paged run: a continuous-batching scheduler. Every step decodes one token of every sequence
 // whose prompt is done, and spends a budget of --chunk prompt tokens on prompts: those in
 // progress first, then waiting requests, admitted while pages_needed says the pool holds this
-// step's rows. A step whose decoding sequences need more pages than are free preempts the most
-// recently admitted sequence (its pages freed; it waits again at the head of the queue and
-// later recomputes its prompt and the tokens it had produced, as vLLM's recompute preemption).
-// Why two kinds of call per step rather than one: decode pads x [B, n, E] to the longest count
-// and projects every padding row, so one call holding 40 one-token sequences and a 256-token
-// chunk would project 40 × 256 rows. The step makes one call for all one-token sequences and one
-// per prompt chunk ([1, chunk, E]); the weights are read once more per chunk, a few percent of a
-// chunk's products.
+// step's rows with the new request's whole prompt and 1 % of the pages to spare. A step whose
+// decoding sequences need more pages than are free preempts the most recently admitted sequence
+// (its pages freed; it waits again at the head of the queue and later recomputes its prompt and the
+// tokens it had produced, as vLLM's recompute preemption). Why two kinds of call per step rather
+// than one: decode pads x [B, n, E] to the longest count and projects every padding row, so one
+// call holding 40 one-token sequences and a 256-token chunk would project 40 × 256 rows. The step
+// makes one call for all one-token sequences and one per prompt chunk ([1, chunk, E]); the weights
+// are read once more per chunk, little beside a chunk's products (19 MFLOP a token at the default
+// sizes).
 //
 // Contiguous run: a KVCache slot per request, each slot capacity 2048 + 512 rows, as many slots
 // as fit in the paged pool's bytes. KVCache::clear(b) resets a slot, so the scheduler reuses a
@@ -43,6 +45,10 @@
 //       [--heads H] [--kv-heads H_kv] [--page-size P] [--kv-mib M] [--chunk C]
 //       [--groups 1|slots|all] [--paged-cap N] [--quick] [--json FILE]
 //
+// Defaults: 48 requests at 16 a second (more than either run serves: throughput measures
+// capacity), seed 19, E = 2048, H = 16, H_kv = 2, pages of 48 rows, 40 MiB of keys and values
+// (8 slots), chunks of 256. --quick: E = 256, H = 4, 8 requests at 100 a second, 8 MiB.
+//
 // --groups: the contiguous run's caches (default 1; `all` runs both layouts). --paged-cap N adds
 // a paged run that holds at most N sequences at once: with N = the contiguous slots, it shows
 // what the paged run gains from concurrency alone, without the contiguous run's padding.
@@ -51,7 +57,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <deque>
 #include <memory>
 #include <string>
