@@ -314,7 +314,10 @@ class MultiHeadAttention {
   // cache's sequence sequences[b] (distinct ids from add_sequence or fork), whose pages hold its
   // new keys and values; any set of the cache's sequences may step together, each with its own
   // count (new_tokens). Also refused, before anything changes: an id the cache does not hold, an
-  // id twice, and a step that needs more pages than are free.
+  // id twice, and a step that needs more pages than are free. Either cache also takes a packed
+  // step: with options.cu_seqlens (B + 1 cumulative counts), x is [T, E] holding only the
+  // sequences' new tokens one sequence after another, and the output is [T, E]; no padding row
+  // is projected (a continuous-batching step of prompt chunks and single tokens).
   ForwardResult<T> decode(TensorView<const T> x, PagedKVCache<T>& cache,
                           const std::vector<Index>& sequences,
                           const ForwardOptions<T>& options = decode_options(),

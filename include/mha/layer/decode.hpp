@@ -307,11 +307,27 @@ struct Decoding {
     void advance(Index b, Index count) { arguments_unused(b, count); }  // (append did)
   };
 
-  // Every check of a step, before anything changes; returns n.
+  // Where each sequence's rows of a step are in x: padded ([B, n, E], row b·n on) or packed
+  // (ForwardOptions::cu_seqlens, [T, E], row cu_seqlens[b] on).
+  struct StepRows {
+    Index padded = 0;  // n; 0 when packed
+    const std::vector<Index>* cumulative = nullptr;
+    const std::vector<Index>* new_tokens = nullptr;
+    Index first(Index b) const {
+      return cumulative != nullptr ? (*cumulative)[static_cast<std::size_t>(b)] : b * padded;
+    }
+    Index count(Index b) const {
+      const auto i = static_cast<std::size_t>(b);
+      if (cumulative != nullptr) return (*cumulative)[i + 1] - (*cumulative)[i];
+      return new_tokens->empty() ? padded : (*new_tokens)[i];
+    }
+  };
+
+  // Every check of a step, before anything changes; returns where its rows are.
   template <class Steps>
-  static Index check(const LayerParameters<T>& parameters, const TensorView<const T>& x,
-                     const Steps& steps, const ForwardOptions<T>& options,
-                     const std::vector<Index>& new_tokens);
+  static StepRows check(const LayerParameters<T>& parameters, const TensorView<const T>& x,
+                        const Steps& steps, const ForwardOptions<T>& options,
+                        const std::vector<Index>& new_tokens);
 
   template <class Steps>
   static ForwardResult<T> run(const LayerParameters<T>& parameters, const TensorView<const T>& x,
@@ -330,7 +346,7 @@ ForwardResult<T> Decoding<T>::run(const LayerParameters<T>& parameters,
   const Index heads = parameters.num_heads(), head_dim = parameters.head_dim();
   const Index width = parameters.kv_dim(), inner = parameters.inner_dim();
   const Index batch = steps.batch();
-  const Index n = check(parameters, x, steps, options, new_tokens);
+  const StepRows step_rows = check(parameters, x, steps, options, new_tokens);
   if (options.precision != Precision::fp32 && packed == nullptr) {
     throw_argument("precision",
                    std::string("decode computes in ") + precision_name(options.precision) +
@@ -361,7 +377,7 @@ ForwardResult<T> Decoding<T>::run(const LayerParameters<T>& parameters,
   core.talking_heads = parameters.talking_heads();
   core.sinks = parameters.sinks();
 
-  // Every sequence's n rows projected at once; padding rows too (cheaper than gathering).
+  // Every row of x projected at once: padded rows too (cheaper than gathering), none when packed.
   const auto input = as_compute(x, buffers.input);  // [B*n, E]
   Matrix<Compute>* projected[] = {&buffers.queries, &buffers.new_keys, &buffers.new_values};
   for (int which = 0; which < 3; ++which) {
@@ -384,11 +400,11 @@ ForwardResult<T> Decoding<T>::run(const LayerParameters<T>& parameters,
   buffers.q8_sequences.clear();
   buffers.q4_sequences.clear();
   for (Index b = 0; b < batch; ++b) {
-    const Index count = new_tokens.empty() ? n : new_tokens[static_cast<std::size_t>(b)];
+    const Index count = step_rows.count(b), first = step_rows.first(b);
     if (count == 0) continue;
-    Compute* queries = buffers.queries.data() + b * n * inner;
-    Compute* keys = buffers.new_keys.data() + b * n * width;
-    Compute* values = buffers.new_values.data() + b * n * width;
+    Compute* queries = buffers.queries.data() + first * inner;
+    Compute* keys = buffers.new_keys.data() + first * width;
+    Compute* values = buffers.new_values.data() + first * width;
     if (options.rope) {
       buffers.rope_table.fill(*options.rope, rotary_dim, steps.position(b), count);
       rotate_heads(queries, count, inner, heads, head_dim, buffers.rope_table, false);
@@ -396,7 +412,7 @@ ForwardResult<T> Decoding<T>::run(const LayerParameters<T>& parameters,
                    false);
     }
     const Index total_keys = steps.append(b, count, keys, values);
-    Compute* attended = buffers.attended.data() + b * n * inner;
+    Compute* attended = buffers.attended.data() + first * inner;
     if constexpr (std::is_same_v<Compute, float>) {
       if (batched && count < kPanelsMinQueries) {
         // (advance() moves no rows: these stay where they are until the kernel has run.)
@@ -445,7 +461,7 @@ ForwardResult<T> Decoding<T>::run(const LayerParameters<T>& parameters,
                  route(3));
   auto output = result.output.matrix();
   for (Index b = 0; b < batch && !new_tokens.empty(); ++b) {
-    const Index count = new_tokens[static_cast<std::size_t>(b)];
+    const Index count = step_rows.count(b), n = step_rows.padded;
     output.middleRows(b * n + count, n - count).setZero();
   }
   return result;
@@ -453,9 +469,10 @@ ForwardResult<T> Decoding<T>::run(const LayerParameters<T>& parameters,
 
 template <class T>
 template <class Steps>
-Index Decoding<T>::check(const LayerParameters<T>& parameters, const TensorView<const T>& x,
-                         const Steps& steps, const ForwardOptions<T>& options,
-                         const std::vector<Index>& new_tokens) {
+typename Decoding<T>::StepRows Decoding<T>::check(const LayerParameters<T>& parameters,
+                                                  const TensorView<const T>& x, const Steps& steps,
+                                                  const ForwardOptions<T>& options,
+                                                  const std::vector<Index>& new_tokens) {
   const MultiHeadAttentionConfig& config = parameters.config();
   const Index embed = config.embed_dim, batch = steps.batch();
   if (config.add_bias_kv || config.add_zero_attn) {
@@ -478,19 +495,38 @@ Index Decoding<T>::check(const LayerParameters<T>& parameters, const TensorView<
   }
   const std::string row_shape = "[" + std::to_string(batch) + ", n, " + std::to_string(embed) +
                                 "] (one row per cached sequence)";
-  if (x.rank() == 2 && batch == 1) {
+  StepRows rows;
+  rows.new_tokens = &new_tokens;
+  if (!options.cu_seqlens.empty() || !options.cu_seqlens_k.empty()) {
+    // A packed step: sequence b's tokens are rows cu_seqlens[b] .. cu_seqlens[b + 1] of x.
+    if (!options.cu_seqlens_k.empty()) {
+      throw_argument("cu_seqlens_k", "decode takes none: the cache holds each sequence's keys");
+    }
+    if (!new_tokens.empty()) {
+      throw_argument("new_tokens", "not with cu_seqlens, which gives each sequence's count");
+    }
+    check_shape("x", {kAnyDim, embed}, x.shape());
+    if (static_cast<Index>(options.cu_seqlens.size()) != batch + 1) {
+      throw_argument("cu_seqlens", "expected " + std::to_string(batch + 1) +
+                                       " entries (0, then one per sequence), got " +
+                                       std::to_string(options.cu_seqlens.size()));
+    }
+    check_cumulative_lengths("cu_seqlens", options.cu_seqlens, x.dim(0), "x");
+    rows.cumulative = &options.cu_seqlens;
+  } else if (x.rank() == 2 && batch == 1) {
     check_shape("x", {kAnyDim, embed}, x.shape());
   } else if (x.rank() != 3 || x.dim(0) != batch || x.dim(2) != embed) {
     throw_shape("x", row_shape + (batch == 1 ? " or [n, E]" : ""), x.shape());
   }
   const Index n = x.dim(x.rank() - 2);
+  if (rows.cumulative == nullptr) rows.padded = n;
   if (!new_tokens.empty() && static_cast<Index>(new_tokens.size()) != batch) {
     throw_argument("new_tokens", "expected one count per sequence (" + std::to_string(batch) +
                                      "), got " + std::to_string(new_tokens.size()));
   }
   std::vector<Index> counts(static_cast<std::size_t>(batch), n);
   for (Index b = 0; b < batch; ++b) {
-    const Index count = new_tokens.empty() ? n : new_tokens[static_cast<std::size_t>(b)];
+    const Index count = rows.count(b);
     if (count < 0 || count > n) {
       throw_argument("new_tokens", "sequence " + std::to_string(b) +
                                        ": expected a count in [0, n = " + std::to_string(n) +
@@ -522,7 +558,7 @@ Index Decoding<T>::check(const LayerParameters<T>& parameters, const TensorView<
                     Alignment::bottom_right);
   }
   if (options.check_inputs) check_finite(x, "x");
-  return n;
+  return rows;
 }
 
 // The instantiations mha::compiled holds (src/layer_decode.cpp; see mha/compiled.hpp).

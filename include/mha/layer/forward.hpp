@@ -23,6 +23,12 @@
 
 namespace mha::detail {
 
+// Sequence s of a packed batch (ForwardOptions::cu_seqlens): rows [query_begin, query_begin +
+// query_len) of the packed query and [key_begin, key_begin + key_len) of key and value.
+struct PackedSequence {
+  Index query_begin = 0, query_len = 0, key_begin = 0, key_len = 0;
+};
+
 // The checked shapes of one forward call, and what they decide.
 struct ForwardPlan {
   bool batched = true;
@@ -30,7 +36,95 @@ struct ForwardPlan {
   Index batch = 1, query_len = 0, key_len = 0, total_keys = 0;
   Kernel kernel = Kernel::automatic;
   Shape query_shape;  // also the output's
+  // A packed batch's sequences; empty for a padded [B, L, E] (or one [L, E]) call.
+  std::vector<PackedSequence> sequences;
 };
+
+// cu_seqlens (or cu_seqlens_k) against the `rows` rows of `tensor`: 0 first, never decreasing,
+// `rows` last.
+inline void check_cumulative_lengths(const char* name, const std::vector<Index>& cumulative,
+                                     Index rows, const char* tensor) {
+  bool ok = !cumulative.empty() && cumulative.front() == 0 && cumulative.back() == rows;
+  for (std::size_t s = 1; ok && s < cumulative.size(); ++s) {
+    ok = cumulative[s] >= cumulative[s - 1];
+  }
+  if (!ok) {
+    std::string given;
+    for (const Index length : cumulative)
+      given += (given.empty() ? "" : ", ") + std::to_string(length);
+    throw_argument(name, std::string("expected cumulative lengths from 0, never decreasing, to ") +
+                             tensor + "'s " + std::to_string(rows) + " rows; got [" + given + "]");
+  }
+}
+
+// The sequences of a packed batch, after checking cu_seqlens and cu_seqlens_k against the
+// inputs and refusing what a packed batch cannot have (plan holds the shapes).
+template <class T>
+std::vector<PackedSequence> packed_sequences(const LayerParameters<T>& parameters,
+                                             const ForwardPlan& plan,
+                                             const ForwardOptions<T>& options) {
+  const MultiHeadAttentionConfig& config = parameters.config();
+  if (options.cu_seqlens.empty()) {
+    throw_argument("cu_seqlens", "cu_seqlens_k needs cu_seqlens, the queries' cumulative lengths");
+  }
+  if (plan.batched) {
+    throw_shape("query",
+                "[total_tokens, " + std::to_string(config.embed_dim) +
+                    "]: a packed batch (cu_seqlens) is unbatched",
+                plan.query_shape);
+  }
+  const bool own_keys = !options.cu_seqlens_k.empty();
+  const std::vector<Index>& key_lengths = own_keys ? options.cu_seqlens_k : options.cu_seqlens;
+  check_cumulative_lengths("cu_seqlens", options.cu_seqlens, plan.query_len, "query");
+  if (key_lengths.size() != options.cu_seqlens.size()) {
+    throw_argument("cu_seqlens_k", "expected " + std::to_string(options.cu_seqlens.size()) +
+                                       " entries, as cu_seqlens; got " +
+                                       std::to_string(key_lengths.size()));
+  }
+  check_cumulative_lengths(own_keys ? "cu_seqlens_k" : "cu_seqlens (for key: or give cu_seqlens_k)",
+                           key_lengths, plan.key_len, "key");
+  const auto refuse = [](bool given, const char* name, const char* why) {
+    if (given) throw_argument(name, std::string("not with a packed batch (cu_seqlens): ") + why);
+  };
+  refuse(options.need_weights, "need_weights",
+         "its sequences' weights have shapes of their own; set it false");
+  refuse(!options.attn_mask.empty() || !options.key_padding_mask.empty(),
+         "attn_mask/key_padding_mask",
+         "a packed batch has no padding, and each sequence sees only its own keys");
+  refuse(config.add_bias_kv || config.add_zero_attn, "add_bias_kv/add_zero_attn",
+         "their key would follow every sequence's keys");
+  refuse(parameters.talking_heads().active(), "talking heads",
+         "not implemented for packed batches");
+  std::vector<PackedSequence> sequences;
+  for (std::size_t s = 0; s + 1 < options.cu_seqlens.size(); ++s) {
+    PackedSequence sequence;
+    sequence.query_begin = options.cu_seqlens[s];
+    sequence.query_len = options.cu_seqlens[s + 1] - sequence.query_begin;
+    sequence.key_begin = key_lengths[s];
+    sequence.key_len = key_lengths[s + 1] - sequence.key_begin;
+    // Each sequence's pattern checked now, before anything is computed.
+    checked_pattern(options.pattern, config.num_heads, sequence.query_len, sequence.key_len,
+                    options.pattern.alignment);
+    sequences.push_back(sequence);
+  }
+  return sequences;
+}
+
+// The kernel options of sequence s of a packed batch: the call's, with the sequence's own key
+// count, pattern and dropout draws (a seed of its own, so sequences of one length do not drop
+// the same weights).
+template <class Compute>
+CoreOptions<Compute> sequence_core(const CoreOptions<Compute>& core, const SparsePattern& pattern,
+                                   Index heads, const PackedSequence& sequence, std::size_t s) {
+  CoreOptions<Compute> result = core;
+  result.causal_cols = sequence.key_len;
+  result.pattern =
+      checked_pattern(pattern, heads, sequence.query_len, sequence.key_len, pattern.alignment);
+  result.dropout.rows = sequence.query_len;
+  result.dropout.cols = sequence.key_len;
+  result.dropout.seed = core.dropout.seed + 0x9E3779B97F4A7C15ULL * (s + 1);
+  return result;
+}
 
 // The kernel a call runs: talking heads mix heads, which only the reference kernel can.
 template <class T>
@@ -121,6 +215,9 @@ ForwardPlan plan_forward(const LayerParameters<T>& parameters, const TensorView<
   check_window(options.window);
   check_precision<compute_t<T>>(options.precision);
   if (!training) check_inference_precision(options.precision);
+  if (!options.cu_seqlens.empty() || !options.cu_seqlens_k.empty()) {
+    plan.sequences = packed_sequences(parameters, plan, options);
+  }
   // Self-attention without extra key rows projects q, k and v in one [B*L, E] x [E, 3E] GEMM.
   plan.fused = parameters.packed_projection() && !config.add_bias_kv && !config.add_zero_attn &&
                query.data() == key.data() && key.data() == value.data() &&
@@ -173,8 +270,11 @@ CoreOptions<compute_t<T>> core_options(const LayerParameters<T>& parameters,
                                                                       : Causal::top_left;
   core.causal_cols = plan.key_len;
   core.window = options.window;
-  core.pattern = checked_pattern(options.pattern, heads, plan.query_len, plan.key_len,
-                                 options.pattern.alignment);
+  // (A packed batch's patterns are checked per sequence, by packed_sequences.)
+  if (plan.sequences.empty()) {
+    core.pattern = checked_pattern(options.pattern, heads, plan.query_len, plan.key_len,
+                                   options.pattern.alignment);
+  }
   core.alibi_slopes = checked_alibi_slopes(options.alibi_slopes, heads);
   core.alibi_alignment = options.causal_alignment;
   core.softcap = checked_softcap(options.softcap);
@@ -195,8 +295,23 @@ void rotate_queries_and_keys(const LayerParameters<T>& parameters, const Forward
   const Rope& rope = *options.rope;
   const Index head_dim = parameters.head_dim();
   const Index rotary_dim = checked_rotary_dim(rope, head_dim);
-  const Index query_shift =
-      options.causal_alignment == Alignment::bottom_right ? plan.key_len - plan.query_len : 0;
+  const bool bottom_right = options.causal_alignment == Alignment::bottom_right;
+  if (!plan.sequences.empty()) {
+    // Each sequence's positions from 0, as in a call of its own; the tables are filled again for
+    // the inverse, as they end up holding the last sequence's.
+    for (const PackedSequence& sequence : plan.sequences) {
+      workspace.rope_queries.fill(rope, rotary_dim,
+                                  bottom_right ? sequence.key_len - sequence.query_len : 0,
+                                  sequence.query_len);
+      workspace.rope_keys.fill(rope, rotary_dim, 0, sequence.key_len);
+      rotate_heads(q + sequence.query_begin * q_stride, sequence.query_len, q_stride,
+                   parameters.num_heads(), head_dim, workspace.rope_queries, inverse);
+      rotate_heads(k + sequence.key_begin * kv_stride, sequence.key_len, kv_stride,
+                   parameters.num_kv_heads(), head_dim, workspace.rope_keys, inverse);
+    }
+    return;
+  }
+  const Index query_shift = bottom_right ? plan.key_len - plan.query_len : 0;
   // backward (inverse) runs on the saved workspace whose tables forward_train filled for the
   // same plan and options: only the forward computes the angles.
   if (!inverse) {
@@ -323,13 +438,32 @@ void run_forward(const LayerParameters<T>& parameters, const ForwardPlan& plan,
   }
   if (options.need_weights) per_head_weights->resize({batch, heads, query_len, total_keys});
   workspace.attended.resize(batch * query_len, inner);
-  attention<Compute>(
-      plan.kernel, batch, heads,
-      parameters.template head_layout<const Compute>(q_data, query_len, q_stride),
-      parameters.template kv_head_layout<const Compute>(k_data, total_keys, kv_stride),
-      parameters.template kv_head_layout<const Compute>(v_data, total_keys, kv_stride),
-      parameters.head_layout(workspace.attended.data(), query_len, inner), core,
-      options.need_weights ? per_head_weights->data() : nullptr, workspace.kernel, logsumexp);
+  if (plan.sequences.empty()) {
+    attention<Compute>(
+        plan.kernel, batch, heads,
+        parameters.template head_layout<const Compute>(q_data, query_len, q_stride),
+        parameters.template kv_head_layout<const Compute>(k_data, total_keys, kv_stride),
+        parameters.template kv_head_layout<const Compute>(v_data, total_keys, kv_stride),
+        parameters.head_layout(workspace.attended.data(), query_len, inner), core,
+        options.need_weights ? per_head_weights->data() : nullptr, workspace.kernel, logsumexp);
+  }
+  // A packed batch: each sequence's rows, and its log-sum-exp (H, L_s) at H·query_begin.
+  for (std::size_t s = 0; s < plan.sequences.size(); ++s) {
+    const PackedSequence& sequence = plan.sequences[s];
+    if (sequence.query_len == 0) continue;
+    attention<Compute>(
+        plan.kernel, 1, heads,
+        parameters.template head_layout<const Compute>(q_data + sequence.query_begin * q_stride,
+                                                       sequence.query_len, q_stride),
+        parameters.template kv_head_layout<const Compute>(k_data + sequence.key_begin * kv_stride,
+                                                          sequence.key_len, kv_stride),
+        parameters.template kv_head_layout<const Compute>(v_data + sequence.key_begin * kv_stride,
+                                                          sequence.key_len, kv_stride),
+        parameters.head_layout(workspace.attended.data() + sequence.query_begin * inner,
+                               sequence.query_len, inner),
+        sequence_core(core, options.pattern, heads, sequence, s), nullptr, workspace.kernel,
+        logsumexp != nullptr ? logsumexp + heads * sequence.query_begin : nullptr);
+  }
 
   // With a gate, the output projection reads a gated copy: attended itself stays ungated, as
   // backward needs it for the gates' gradient.

@@ -56,6 +56,16 @@ struct ForwardOptions {
   // returned weights are the gated ones, averaged over all H heads. backward also returns the
   // gates' gradient, from which head importance is computed (diagnostics.hpp).
   std::vector<Compute> head_gate;
+  // A packed variable-length batch (FlashAttention's varlen functions, PyTorch's jagged tensors):
+  // empty, or the cumulative lengths 0, L_0, L_0 + L_1, ..., T of the sequences packed one after
+  // another in an unbatched query [T, E]. Each sequence attends to its own keys only and nothing
+  // is padded: the projections run over the T rows at once, the heads over each sequence's.
+  // Causal masking, windows, patterns, ALiBi, RoPE positions and dropout apply per sequence, as
+  // if each were a call of its own. cu_seqlens_k gives the keys' (key [T_k, kdim], value
+  // [T_k, vdim]) where they differ (cross-attention); empty means cu_seqlens. Refused with masks
+  // (a packed batch needs no padding mask), need_weights, add_bias_kv, add_zero_attn and talking
+  // heads. decode takes cu_seqlens too (a packed step: x [T, E], one count per sequence).
+  std::vector<Index> cu_seqlens, cu_seqlens_k;
   // Which kernel computes the heads; automatic picks flash unless weights are requested.
   Kernel kernel = Kernel::automatic;
   // The products' arithmetic (see Precision in attention.hpp): bf16 rounds the operands of the

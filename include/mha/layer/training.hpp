@@ -219,16 +219,47 @@ void backward(LayerParameters<T>& parameters, const void* layer, SavedState<T>& 
   Tensor<T> grad_pre, grad_post;  // [H, H] with talking heads, else empty (null)
   if (config.talking_heads_pre) grad_pre.resize({heads, heads});
   if (config.talking_heads_post) grad_post.resize({heads, heads});
-  attention_backward<T>(
-      plan.kernel, plan.batch, heads, parameters.head_layout(q_data, query_len, q_stride),
-      parameters.kv_head_layout(k_data, total_keys, kv_stride),
-      parameters.kv_head_layout(v_data, total_keys, kv_stride),
-      parameters.head_layout(forward.attended.data(), query_len, inner),
-      parameters.template head_layout<const T>(grad_attended.data(), query_len, inner),
-      saved.logsumexp.data(), parameters.head_layout(grad_q_data, query_len, q_stride),
-      parameters.kv_head_layout(grad_k_data, total_keys, kv_stride),
-      parameters.kv_head_layout(grad_v_data, total_keys, kv_stride), core, saved.workspace.kernel,
-      grad_pre.data(), grad_post.data(), config.learnable_sinks ? grads.sinks.data() : nullptr);
+  T* const grad_sinks = config.learnable_sinks ? grads.sinks.data() : nullptr;
+  if (plan.sequences.empty()) {
+    attention_backward<T>(
+        plan.kernel, plan.batch, heads, parameters.head_layout(q_data, query_len, q_stride),
+        parameters.kv_head_layout(k_data, total_keys, kv_stride),
+        parameters.kv_head_layout(v_data, total_keys, kv_stride),
+        parameters.head_layout(forward.attended.data(), query_len, inner),
+        parameters.template head_layout<const T>(grad_attended.data(), query_len, inner),
+        saved.logsumexp.data(), parameters.head_layout(grad_q_data, query_len, q_stride),
+        parameters.kv_head_layout(grad_k_data, total_keys, kv_stride),
+        parameters.kv_head_layout(grad_v_data, total_keys, kv_stride), core, saved.workspace.kernel,
+        grad_pre.data(), grad_post.data(), grad_sinks);
+  } else {
+    // A packed batch: each sequence's heads, as the forward ran them (run_forward); a key row
+    // no query reads (a sequence without queries) gets a zero gradient.
+    if (!plan.fused) {
+      saved.grad_k.setZero();
+      saved.grad_v.setZero();
+    } else {
+      saved.grad_qkv.setZero();
+    }
+  }
+  for (std::size_t s = 0; s < plan.sequences.size(); ++s) {
+    const PackedSequence& sequence = plan.sequences[s];
+    if (sequence.query_len == 0) continue;
+    const Index rows_q = sequence.query_begin, rows_k = sequence.key_begin;
+    const Index length = sequence.query_len, keys = sequence.key_len;
+    attention_backward<T>(
+        plan.kernel, 1, heads, parameters.head_layout(q_data + rows_q * q_stride, length, q_stride),
+        parameters.kv_head_layout(k_data + rows_k * kv_stride, keys, kv_stride),
+        parameters.kv_head_layout(v_data + rows_k * kv_stride, keys, kv_stride),
+        parameters.head_layout(forward.attended.data() + rows_q * inner, length, inner),
+        parameters.template head_layout<const T>(grad_attended.data() + rows_q * inner, length,
+                                                 inner),
+        saved.logsumexp.data() + (plan.kernel == Kernel::flash ? heads * rows_q : 0),
+        parameters.head_layout(grad_q_data + rows_q * q_stride, length, q_stride),
+        parameters.kv_head_layout(grad_k_data + rows_k * kv_stride, keys, kv_stride),
+        parameters.kv_head_layout(grad_v_data + rows_k * kv_stride, keys, kv_stride),
+        sequence_core(core, saved.options.pattern, heads, sequence, s), saved.workspace.kernel,
+        nullptr, nullptr, grad_sinks);
+  }
   // The kernel overwrites the mixes' gradients; parameters' gradients accumulate.
   if (config.talking_heads_pre) grads.talking_heads_pre.flat() += grad_pre.flat();
   if (config.talking_heads_post) grads.talking_heads_post.flat() += grad_post.flat();
