@@ -231,8 +231,9 @@ TEST_CASE("a packed decoding step equals the padded one, over a paged and a cont
     const auto padded = mha_test::random_tensor<float>({3, n, 64}, ++seed);
     const auto starts = cumulative(counts);
     Tensor<float> packed({starts.back(), 64});
-    for (Index b = 0; b < 3; ++b) {
-      packed.matrix().middleRows(starts[b], counts[b]) = padded[b].matrix().topRows(counts[b]);
+    for (std::size_t i = 0; i < 3; ++i) {
+      packed.matrix().middleRows(starts[i], counts[i]) =
+          padded[static_cast<Index>(i)].matrix().topRows(counts[i]);
     }
     auto options = mha::MultiHeadAttention<float>::decode_options();
     const auto from_padded = layer.decode(padded, padded_pool, ids, options, counts);
@@ -243,14 +244,14 @@ TEST_CASE("a packed decoding step equals the padded one, over a paged and a cont
     // The projections of 9 packed rows and of 21 padded ones may take different products (a
     // few rows take dot products), so the bound is float rounding's, as test_decode's.
     const double largest = static_cast<double>(from_padded.output.flat().cwiseAbs().maxCoeff());
-    for (Index b = 0; b < 3; ++b) {
-      INFO("sequence " << b << ", " << counts[b] << " tokens");
-      Tensor<float> expected({counts[b], 64});
-      expected.matrix() = from_padded.output[b].matrix().topRows(counts[b]);
-      CHECK_TENSORS_CLOSE_TOL(rows_of(from_packed.output, starts[b], counts[b]), expected, 0.0,
+    for (std::size_t i = 0; i < 3; ++i) {
+      INFO("sequence " << i << ", " << counts[i] << " tokens");
+      Tensor<float> expected({counts[i], 64});
+      expected.matrix() = from_padded.output[static_cast<Index>(i)].matrix().topRows(counts[i]);
+      CHECK_TENSORS_CLOSE_TOL(rows_of(from_packed.output, starts[i], counts[i]), expected, 0.0,
                               1e-5 * largest);
-      CHECK_TENSORS_CLOSE_TOL(rows_of(from_cache.output, starts[b], counts[b]),
-                              rows_of(from_packed.output, starts[b], counts[b]), 0.0, 0.0);
+      CHECK_TENSORS_CLOSE_TOL(rows_of(from_cache.output, starts[i], counts[i]),
+                              rows_of(from_packed.output, starts[i], counts[i]), 0.0, 0.0);
     }
   }
   // Refused before anything changes: counts that do not end at x's rows, new_tokens with them.

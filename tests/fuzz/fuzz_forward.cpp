@@ -13,7 +13,12 @@
 //     it ran in fp32, with a finite output and finite gradients;
 //   - decoding the query as a prompt through a quantized KV cache (q8 or q4) runs wherever
 //     decoding it through a cache of the layer's type runs (unless the format itself is refused:
-//     H_kv·D not whole blocks of 32), with a finite output.
+//     H_kv·D not whole blocks of 32), with a finite output;
+//   - a packed batch (cu_seqlens) of the batch's sequences cut to decoded lengths runs wherever
+//     every one of them runs alone (and the layer has no add_bias_kv or add_zero_attn), and
+//     each sequence's rows agree with its call alone;
+//   - a float layer with learnable sinks of decoded values: both kernels agree, the output is
+//     finite and per-head weight rows sum to at most 1.
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -300,7 +305,118 @@ std::optional<std::vector<Tensor<float>>> try_training_step(
 mha_fuzz::Tally tally("fuzz_forward",
                       {"layer refused (ShapeError)", "call refused by every kernel (ShapeError)",
                        "ran and compared", "ran and compared, and ran in bf16",
-                       "ran, ran in bf16, and decoded through a quantized cache"});
+                       "ran, ran in bf16, and decoded through a quantized cache",
+                       "and ran a packed batch", "and ran a layer with sinks"});
+
+// Rows [begin, begin + count) of x's batch element b ([B, L, width]) as [count, width].
+template <class T>
+Tensor<T> rows_of(const Tensor<T>& x, Index b, Index count) {
+  Tensor<T> rows({count, x.dim(2)});
+  for (Index i = 0; i < count * x.dim(2); ++i) rows.data()[i] = x[b].data()[i];
+  return rows;
+}
+
+// The batch's sequences cut to decoded lengths and packed ([T, E], cu_seqlens): each sequence's
+// rows of the packed call against its call alone.
+template <class T>
+void check_packed_batch(const mha::MultiHeadAttention<T>& layer, const Case& c, bool self,
+                        Choices& choices, const Tensor<T>& query, const Tensor<T>& key,
+                        const Tensor<T>& value, mha::ForwardOptions<T> options) {
+  options.attn_mask = {};
+  options.key_padding_mask = {};
+  options.need_weights = false;
+  options.precision = mha::Precision::fp32;
+  std::vector<Index> queries{0}, keys{0};
+  std::vector<Tensor<T>> query_parts, key_parts, value_parts;
+  std::vector<std::optional<mha::ForwardResult<T>>> alone;
+  bool all_ran = true;
+  for (Index b = 0; b < c.batch; ++b) {
+    const Index length = choices.in(0, c.query_len);
+    const Index key_length = self ? length : choices.in(0, c.key_len);
+    query_parts.push_back(rows_of(query, b, length));
+    key_parts.push_back(self ? query_parts.back() : rows_of(key, b, key_length));
+    value_parts.push_back(self ? query_parts.back() : rows_of(value, b, key_length));
+    queries.push_back(queries.back() + length);
+    keys.push_back(keys.back() + key_length);
+    const Tensor<T>& part = query_parts.back();
+    alone.push_back(try_forward(layer, part, self ? part : key_parts.back(),
+                                self ? part : value_parts.back(), options));
+    all_ran = all_ran && alone.back().has_value();
+  }
+  const auto packed_of = [](const std::vector<Tensor<T>>& parts, Index total, Index width) {
+    Tensor<T> packed({total, width});
+    Index row = 0;
+    for (const Tensor<T>& part : parts) {
+      for (Index i = 0; i < part.size(); ++i) packed.data()[row * width + i] = part.data()[i];
+      row += part.dim(0);
+    }
+    return packed;
+  };
+  const Tensor<T> packed_query = packed_of(query_parts, queries.back(), query.dim(2));
+  const Tensor<T> packed_key = packed_of(key_parts, keys.back(), key.dim(2));
+  const Tensor<T> packed_value = packed_of(value_parts, keys.back(), value.dim(2));
+  options.cu_seqlens = queries;
+  if (!self) options.cu_seqlens_k = keys;
+  const auto packed = try_forward(layer, packed_query, self ? packed_query : packed_key,
+                                  self ? packed_query : packed_value, options);
+  if (!packed) {
+    if (all_ran && !c.add_bias_kv && !c.add_zero_attn) {
+      violation("a packed batch was refused whose sequences each ran alone");
+    }
+    return;
+  }
+  if (!all_ran) violation("a packed batch ran where one of its sequences alone was refused");
+  check_finite(packed->output, "packed output");
+  for (Index b = 0; b < c.batch; ++b) {
+    const auto s = static_cast<std::size_t>(b);
+    const Index width = packed->output.dim(1), count = queries[s + 1] - queries[s];
+    Tensor<T> rows({count, width});
+    for (Index i = 0; i < count * width; ++i) {
+      rows.data()[i] = packed->output.data()[queries[s] * width + i];
+    }
+    kernels_agree(alone[s]->output, rows, "a packed sequence's rows");
+  }
+  tally.count(5);
+}
+
+// The layer with learnable sinks of decoded values in [-8, 8]: both kernels, finite outputs,
+// per-head weight rows summing to at most 1 (the sink takes the rest).
+void check_sinks(mha::MultiHeadAttentionConfig config, const mha::MultiHeadAttention<float>& source,
+                 Choices& choices, const Tensor<float>& query, const Tensor<float>& key,
+                 const Tensor<float>& value, mha::ForwardOptions<float> options) {
+  config.learnable_sinks = true;
+  mha::MultiHeadAttention<float> layer(config);
+  for (const std::string& name : source.parameter_names()) {
+    layer.set_parameter(name, source.parameter(name));
+  }
+  Tensor<float> sinks({config.num_heads});
+  for (Index h = 0; h < config.num_heads; ++h) {
+    sinks.data()[h] = static_cast<float>(choices.in(-8, 8));
+  }
+  layer.set_parameter("sinks", sinks.view());
+  options.precision = mha::Precision::fp32;
+  options.need_weights = true;
+  options.average_attn_weights = false;
+  options.head_gate.clear();
+  options.kernel = mha::Kernel::reference;
+  const auto reference = try_forward(layer, query, key, value, options);
+  options.need_weights = false;
+  options.kernel = mha::Kernel::flash;
+  const auto flash = try_forward(layer, query, key, value, options);
+  if (reference.has_value() != flash.has_value()) violation("sinks: the kernels refused unlike");
+  if (!reference) return;
+  check_finite(reference->output, "output with sinks");
+  kernels_agree(reference->output, flash->output, "flash output with sinks");
+  const Index columns = reference->attn_weights.shape().back();
+  for (Index row = 0; columns > 0 && row < reference->attn_weights.size() / columns; ++row) {
+    double sum = 0;
+    for (Index j = 0; j < columns; ++j) {
+      sum += static_cast<double>(reference->attn_weights.data()[row * columns + j]);
+    }
+    if (sum > 1 + 2e-6) violation("a weight row with sinks sums to " + std::to_string(sum));
+  }
+  tally.count(6);
+}
 
 // Decodes x (a prompt, [B, L, E] or [L, E]) through a fresh cache of `format`: the output, or the
 // message of the library's refusal.
@@ -432,6 +548,14 @@ void run_case(const Case& c, Choices& choices) {
   }
   if (quantized.first) check_finite(*quantized.first, "output decoded through a quantized cache");
   tally.count(4);
+  // A packed batch, then sinks, each decided by a byte after all the others'.
+  if (c.batched && choices.flag()) {
+    check_packed_batch(layer, c, self, choices, query, key, value, options);
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    if (choices.flag())
+      check_sinks(config, source, choices, query, key_input, value_input, options);
+  }
 }
 
 }  // namespace

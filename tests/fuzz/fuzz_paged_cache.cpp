@@ -1,9 +1,9 @@
 // Fuzz target: PagedKVCache's API (add_sequence with and without a prompt's tokens, fork,
 // truncate, remove_sequence) and decoding steps over any set of its sequences
-// (MultiHeadAttention::decode with ids and new_tokens), in a sequence of operations decoded from
-// the bytes, on a small float layer and pool. Every token is an id of a vocabulary of 4, its row
-// the id's embedding, and prompts are prefixes of two fixed strings of ids, so that prefix
-// caching finds pages to share. Properties:
+// (MultiHeadAttention::decode with ids and new_tokens, every other step packed with cu_seqlens),
+// in a sequence of operations decoded from the bytes, on a small float layer and pool. Every token
+// is an id of a vocabulary of 4, its row the id's embedding, and prompts are prefixes of two fixed
+// strings of ids, so that prefix caching finds pages to share. Properties:
 //   - no crash, and no exception but mha::ShapeError (bad ids, lengths, a full pool);
 //   - a refused operation changes nothing: every sequence's length and page table, the free pages;
 //   - the pool's accounting: used plus free pages is the pool; each sequence holds
@@ -198,7 +198,28 @@ void run(Choices& choices) {
                 embeddings.matrix().row(next[i].back());
           }
         }
-        const auto out = layer.decode(x, cache, ids, options, counts).output;
+        // Every other step packed (options.cu_seqlens, x [T, E]: no padding rows), without a byte
+        // of its own so that the corpus keeps its cases; its output put back in [B, n, E].
+        Tensor<float> out;
+        if (steps_run % 2 == 1) {
+          std::vector<Index> starts{0};
+          for (const Index new_count : counts) starts.push_back(starts.back() + new_count);
+          Tensor<float> rows({starts.back(), E});
+          for (std::size_t i = 0; i < ids.size(); ++i) {
+            rows.matrix().middleRows(starts[i], counts[i]) =
+                x[static_cast<Index>(i)].matrix().topRows(counts[i]);
+          }
+          auto packed_options = options;
+          packed_options.cu_seqlens = starts;
+          const auto packed = layer.decode(rows, cache, ids, packed_options).output;
+          out = Tensor<float>(x.shape());
+          for (std::size_t i = 0; i < ids.size(); ++i) {
+            out[static_cast<Index>(i)].matrix().topRows(counts[i]) =
+                packed.matrix().middleRows(starts[i], counts[i]);
+          }
+        } else {
+          out = layer.decode(x, cache, ids, options, counts).output;
+        }
         ++steps_run;
         if (!out.flat().allFinite()) violation("a step's output is not finite");
         for (std::size_t i = 0; i < ids.size(); ++i) {
