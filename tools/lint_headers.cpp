@@ -42,6 +42,7 @@
 #include "mha/kernels/prepacked_gemm.hpp"
 #include "mha/kernels/quantized_cache.hpp"
 #include "mha/kernels/reference.hpp"
+#include "mha/kernels/sinks.hpp"
 #include "mha/kernels/talking_heads.hpp"
 #include "mha/kernels/tile_product.hpp"
 #include "mha/kernels/unroll.hpp"
