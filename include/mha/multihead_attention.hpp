@@ -283,6 +283,70 @@ class MultiHeadAttention {
     return PagedKVCache<T>(num_kv_heads(), head_dim(), page_size, num_pages, format);
   }
 
+  // Cross-attention (an encoder-decoder's): memory [B, S, kdim] ([S, kdim] for one sequence), an
+  // encoder's output, projected into keys and values once, into a KVCache of B sequences and
+  // capacity S whose sequence b holds its first lengths[b] rows (all S without lengths: shorter
+  // encoder outputs padded to S). Every later cross_attend reads it. key and value are both the
+  // memory, so kdim must equal vdim; add_bias_kv and add_zero_attn are refused.
+  KVCache<T> encode_memory(TensorView<const T> memory, const std::vector<Index>& lengths = {},
+                           KVCacheFormat format = KVCacheFormat::as_layer) const {
+    const MultiHeadAttentionConfig& config = parameters_.config();
+    if (config.kdim != config.vdim) {
+      detail::throw_argument("memory", "is both key and value, so kdim (" +
+                                           std::to_string(config.kdim) + ") must equal vdim (" +
+                                           std::to_string(config.vdim) + ")");
+    }
+    if (config.add_bias_kv || config.add_zero_attn) {
+      detail::throw_argument("encode_memory",
+                             "a layer with add_bias_kv or add_zero_attn: its extra key is not "
+                             "part of the memory");
+    }
+    if (memory.rank() != 2 && memory.rank() != 3) {
+      detail::throw_shape(
+          "memory",
+          "[B, S, " + std::to_string(config.kdim) + "] or [S, " + std::to_string(config.kdim) + "]",
+          memory.shape());
+    }
+    const Index batch = memory.rank() == 3 ? memory.dim(0) : 1;
+    const Index rows = memory.dim(memory.rank() - 2);
+    detail::check_shape(
+        "memory", memory.rank() == 3 ? Shape{batch, rows, config.kdim} : Shape{rows, config.kdim},
+        memory.shape());
+    if (!lengths.empty() && static_cast<Index>(lengths.size()) != batch) {
+      detail::throw_argument("lengths", "expected one length per sequence (" +
+                                            std::to_string(batch) + "), got " +
+                                            std::to_string(lengths.size()));
+    }
+    for (const Index length : lengths) {
+      if (length < 0 || length > rows) {
+        detail::throw_argument("lengths", "expected lengths in [0, S = " + std::to_string(rows) +
+                                              "], got " + std::to_string(length));
+      }
+    }
+    KVCache<T> cache = make_kv_cache(batch, rows, -1, format);
+    detail::Decoding<T>::encode(parameters_, memory, cache, lengths);
+    return cache;
+  }
+
+  // What cross_attend needs by default: no causal masking, no weights.
+  static ForwardOptions<T> cross_attention_options() {
+    ForwardOptions<T> options;
+    options.need_weights = false;
+    return options;
+  }
+
+  // x [B, n, E] ([n, E] for one sequence; or packed with options.cu_seqlens, as decode) attends to
+  // every row that encode_memory put in `memory` for its sequence: the output is forward's with
+  // query x and key = value = the memory (its first lengths[b] rows), without projecting the
+  // memory again. The memory does not change (its buffers serve the step). Refused: is_causal,
+  // RoPE, windows, patterns and ALiBi (no positions are shared between x and the memory), masks
+  // and need_weights (as decode).
+  ForwardResult<T> cross_attend(TensorView<const T> x, KVCache<T>& memory,
+                                const ForwardOptions<T>& options = cross_attention_options(),
+                                const std::vector<Index>& new_tokens = {}) const {
+    return detail::Decoding<T>::cross_step(parameters_, x, memory, options, new_tokens);
+  }
+
   // What decode needs by default: causal, no weights.
   static ForwardOptions<T> decode_options() {
     ForwardOptions<T> options;

@@ -18,7 +18,10 @@
 //     every one of them runs alone (and the layer has no add_bias_kv or add_zero_attn), and
 //     each sequence's rows agree with its call alone;
 //   - a float layer with learnable sinks of decoded values: both kernels agree, the output is
-//     finite and per-head weight rows sum to at most 1.
+//     finite and per-head weight rows sum to at most 1;
+//   - cross-attention over the key encoded once (encode_memory, cross_attend) runs wherever
+//     forward with key = value = that memory runs (kdim = vdim, no add_bias_kv or
+//     add_zero_attn), with a finite output that agrees with it for a float layer.
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -306,7 +309,8 @@ mha_fuzz::Tally tally("fuzz_forward",
                       {"layer refused (ShapeError)", "call refused by every kernel (ShapeError)",
                        "ran and compared", "ran and compared, and ran in bf16",
                        "ran, ran in bf16, and decoded through a quantized cache",
-                       "and ran a packed batch", "and ran a layer with sinks"});
+                       "and ran a packed batch", "and ran a layer with sinks",
+                       "and attended to an encoded memory"});
 
 // Rows [begin, begin + count) of x's batch element b ([B, L, width]) as [count, width].
 template <class T>
@@ -377,6 +381,34 @@ void check_packed_batch(const mha::MultiHeadAttention<T>& layer, const Case& c, 
     kernels_agree(alone[s]->output, rows, "a packed sequence's rows");
   }
   tally.count(5);
+}
+
+// Cross-attention over `memory` (the case's key) encoded once, against forward with it as key
+// and value, with the options that cross-attention takes (no positions, masks or weights).
+template <class T>
+void check_cross_attention(const mha::MultiHeadAttention<T>& layer, const Case& c,
+                           const Tensor<T>& query, const Tensor<T>& memory) {
+  const auto options = mha::MultiHeadAttention<T>::cross_attention_options();
+  const auto expected = try_forward(layer, query, memory, memory, options);
+  std::optional<Tensor<T>> actual;
+  try {
+    auto encoded = layer.encode_memory(memory.view());
+    actual = layer.cross_attend(query.view(), encoded, options).output;
+  } catch (const mha::ShapeError&) {
+  }
+  const bool refusable = c.kdim != c.vdim || c.add_bias_kv || c.add_zero_attn || c.key_len == 0;
+  if (expected && !actual && !refusable) {
+    violation("cross-attention refused a memory that forward took as key and value");
+  }
+  if (!expected || !actual) return;
+  check_finite(*actual, "cross-attention output");
+  // A 16-bit layer's memory holds its keys and values rounded to 16 bits, which forward keeps in
+  // float: their difference is that rounding through the softmax, not the kernels' (2^-7 of the
+  // keys can move a score by several of its units), so only a float layer must agree.
+  if constexpr (std::is_same_v<T, float>) {
+    kernels_agree(expected->output, *actual, "cross-attention over an encoded memory");
+  }
+  tally.count(7);
 }
 
 // The layer with learnable sinks of decoded values in [-8, 8]: both kernels, finite outputs,
@@ -556,6 +588,7 @@ void run_case(const Case& c, Choices& choices) {
     if (choices.flag())
       check_sinks(config, source, choices, query, key_input, value_input, options);
   }
+  if (choices.flag()) check_cross_attention(layer, c, query, key);
 }
 
 }  // namespace

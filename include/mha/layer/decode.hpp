@@ -53,6 +53,20 @@ struct Decoding {
     Paged steps{cache, sequences};
     return run(parameters, x, steps, options, new_tokens, packed);
   }
+  // A cross-attention step: x's queries attend to every row of `memory`'s sequences, which
+  // encode filled, appending nothing.
+  static ForwardResult<T> cross_step(const LayerParameters<T>& parameters,
+                                     const TensorView<const T>& x, KVCache<T>& memory,
+                                     const ForwardOptions<T>& options,
+                                     const std::vector<Index>& new_tokens) {
+    Memory steps{Contiguous{memory}};
+    return run(parameters, x, steps, options, new_tokens, nullptr);
+  }
+  // memory [B, S, kdim] ([S, kdim] for one sequence), an encoder's output, projected into keys
+  // and values once, into `cache` (B sequences, capacity S, empty): sequence b holds its first
+  // lengths[b] rows (all S without lengths).
+  static void encode(const LayerParameters<T>& parameters, const TensorView<const T>& memory,
+                     KVCache<T>& cache, const std::vector<Index>& lengths);
 
  private:
   // A step's `count` new rows of keys and values [count, H_kv·D] narrowed to the layer's type, or
@@ -179,6 +193,34 @@ struct Decoding {
 
     // After sequence b's step: a sliding cache may drop its oldest keys (no rows move).
     void advance(Index b, Index count) { cache.advance(b, count); }
+  };
+
+  // A cross-attention memory (encode): a KVCache that an encoder's output filled once. A step
+  // reads every row of its sequence and stores nothing, so keys and values are not projected.
+  struct Memory : Contiguous {
+    // What cross-attention refuses: what places queries and keys on one axis of positions.
+    void check(const ForwardOptions<T>& options, const std::vector<Index>& counts) const {
+      arguments_unused(counts);
+      const auto refuse = [](bool given, const char* name, const char* why) {
+        if (given) throw_argument(name, std::string("not in cross-attention: ") + why);
+      };
+      refuse(options.is_causal, "is_causal",
+             "a query sees every token of the memory; set it false "
+             "(cross_attention_options() does)");
+      refuse(options.rope.has_value(), "rope",
+             "the memory's tokens have no positions relative to the queries");
+      refuse(options.window.active() || options.pattern.active() || !options.alibi_slopes.empty(),
+             "window/pattern/alibi_slopes",
+             "they measure distances between queries and keys, which cross-attention lacks");
+    }
+    // Where sequence b's rows are; it attends to all of them.
+    Index append(Index b, Index count, const Compute* keys, const Compute* values) {
+      arguments_unused(count, keys, values);
+      this->starts.resize(static_cast<std::size_t>(this->batch()));
+      this->starts[static_cast<std::size_t>(b)] = this->cache.start_[static_cast<std::size_t>(b)];
+      return this->cache.length(b);
+    }
+    void advance(Index b, Index count) { arguments_unused(b, count); }
   };
 
   // A paged cache's sequences of a step: sequence b is the cache's sequences[b].
@@ -380,7 +422,10 @@ ForwardResult<T> Decoding<T>::run(const LayerParameters<T>& parameters,
   // Every row of x projected at once: padded rows too (cheaper than gathering), none when packed.
   const auto input = as_compute(x, buffers.input);  // [B*n, E]
   Matrix<Compute>* projected[] = {&buffers.queries, &buffers.new_keys, &buffers.new_values};
-  for (int which = 0; which < 3; ++which) {
+  // A step stores its keys and values, but for a cross-attention memory's, which were projected
+  // when it was encoded.
+  constexpr bool appends = !std::is_same_v<Steps, Memory>;
+  for (int which = 0; which < (appends ? 3 : 1); ++which) {
     projected[which]->resize(input.rows(), parameters.projection_width(which));
     project_rows<Compute>(strided(*projected[which]), const_strided(input),
                           parameters.weight_rows(which), route(which), buffers.kernel);
@@ -403,8 +448,8 @@ ForwardResult<T> Decoding<T>::run(const LayerParameters<T>& parameters,
     const Index count = step_rows.count(b), first = step_rows.first(b);
     if (count == 0) continue;
     Compute* queries = buffers.queries.data() + first * inner;
-    Compute* keys = buffers.new_keys.data() + first * width;
-    Compute* values = buffers.new_values.data() + first * width;
+    Compute* keys = appends ? buffers.new_keys.data() + first * width : nullptr;
+    Compute* values = appends ? buffers.new_values.data() + first * width : nullptr;
     if (options.rope) {
       buffers.rope_table.fill(*options.rope, rotary_dim, steps.position(b), count);
       rotate_heads(queries, count, inner, heads, head_dim, buffers.rope_table, false);
@@ -480,7 +525,7 @@ typename Decoding<T>::StepRows Decoding<T>::check(const LayerParameters<T>& para
                    "a layer with add_bias_kv or add_zero_attn cannot decode with a KV cache: its "
                    "extra key would follow every step's keys");
   }
-  if (config.kdim != embed || config.vdim != embed) {
+  if (!std::is_same_v<Steps, Memory> && (config.kdim != embed || config.vdim != embed)) {
     throw_argument("decode", "decodes self-attention only, so kdim and vdim must be E = " +
                                  std::to_string(embed) + ", got " + std::to_string(config.kdim) +
                                  " and " + std::to_string(config.vdim));
@@ -559,6 +604,31 @@ typename Decoding<T>::StepRows Decoding<T>::check(const LayerParameters<T>& para
   }
   if (options.check_inputs) check_finite(x, "x");
   return rows;
+}
+
+template <class T>
+void Decoding<T>::encode(const LayerParameters<T>& parameters, const TensorView<const T>& memory,
+                         KVCache<T>& cache, const std::vector<Index>& lengths) {
+  const Index rows = memory.dim(memory.rank() - 2), width = parameters.kv_dim();
+  DecodeStepBuffers<T>& buffers = cache.step_;
+  const auto input = as_compute(memory, buffers.input);  // [B*S, kdim]
+  Matrix<Compute>* projected[] = {&buffers.new_keys, &buffers.new_values};
+  for (int which = 1; which < 3; ++which) {
+    Matrix<Compute>& into = *projected[which - 1];
+    into.resize(input.rows(), width);
+    project_rows<Compute>(
+        strided(into), const_strided(input), parameters.weight_rows(which),
+        projection_route(nullptr, ProjectionArithmetic::fp32, buffers.bf16, buffers.int8, which),
+        buffers.kernel);
+    add_bias(parameters, into, which);
+  }
+  Contiguous steps{cache};
+  for (Index b = 0; b < cache.batch(); ++b) {
+    const Index count = lengths.empty() ? rows : lengths[static_cast<std::size_t>(b)];
+    steps.append(b, count, buffers.new_keys.data() + b * rows * width,
+                 buffers.new_values.data() + b * rows * width);
+    steps.advance(b, count);
+  }
 }
 
 // The instantiations mha::compiled holds (src/layer_decode.cpp; see mha/compiled.hpp).
