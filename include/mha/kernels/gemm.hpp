@@ -240,6 +240,9 @@ template <class T>
 void threaded_product(StridedMap<T> dst, ConstStridedMap<T> lhs, Operand lhs_op,
                       ConstStridedMap<T> rhs, Operand rhs_op, Accumulate accumulate) {
   constexpr Index kMaxSlabs = 8, kMinSlab = 32, kDotSlab = 64;
+  // No element to write (a call of no rows): an empty map's data may be null, which its slabs
+  // would offset (undefined behaviour).
+  if (dst.rows() == 0 || dst.cols() == 0) return;
   const bool lhs_transposed = lhs_op == Operand::transposed;
   const bool rhs_transposed = rhs_op == Operand::transposed;
   [[maybe_unused]] const double work =
