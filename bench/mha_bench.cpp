@@ -633,19 +633,26 @@ void decode(benchmark::State& state) {
   decode_step(state);
 }
 
-// decode_paged/: decode/'s step over a PagedKVCache of pages of range(3) tokens, its B sequences'
-// prompts filled a page's worth of tokens a step for all of them together, so that each
-// sequence's pages lie B pages apart in the pool, as the pages of sequences decoded together do.
-void decode_paged(benchmark::State& state) {
-  const mha::Index B = state.range(0), kv_heads = state.range(1), context = state.range(2);
-  const mha::Index page = state.range(3), E = 2048, H = 16;
+// A paged cache of B sequences whose prompts of `context` tokens were filled a page's worth of
+// tokens a step for all of them together, so that each sequence's pages lie B pages apart in the
+// pool, as the pages of sequences decoded together do (E = 2048, H = 16). The prompt is untimed,
+// with a window of one key (as decode/'s).
+struct PagedContext {
+  mha::MultiHeadAttention<float> layer;
+  mha::PagedKVCache<float> cache;
+  std::vector<mha::Index> ids;
+  double weight_bytes = 0, cache_bytes = 0;  // what a one-token step of every sequence reads
+};
+
+PagedContext paged_context(mha::Index B, mha::Index kv_heads, mha::Index context, mha::Index page,
+                           mha::Index extra_pages) {
+  const mha::Index E = 2048, H = 16;
   mha::MultiHeadAttentionConfig config(E, H);
   config.num_kv_heads = kv_heads;
-  const mha::MultiHeadAttention<float> layer(config);
-  auto cache = layer.make_paged_kv_cache(page, B * ((context + page) / page + 1));
+  mha::MultiHeadAttention<float> layer(config);
+  auto cache = layer.make_paged_kv_cache(page, B * ((context + page) / page + 1) + extra_pages);
   std::vector<mha::Index> ids;
   for (mha::Index b = 0; b < B; ++b) ids.push_back(cache.add_sequence());
-  // The prompt, untimed, with a window of one key (as decode/'s).
   auto options = mha::MultiHeadAttention<float>::decode_options();
   options.window = mha::Window{0, 0};
   for (mha::Index first = 0; first < context; first += page) {
@@ -653,21 +660,50 @@ void decode_paged(benchmark::State& state) {
     layer.decode(random_tensor({B, count, E}, static_cast<std::uint64_t>(1 + first)), cache, ids,
                  options);
   }
-  options.window = mha::Window{};
-  const auto token = random_tensor({B, 1, E}, 2);
-  const WallClock wall;
-  for (auto _ : state) {
-    auto result = layer.decode(token, cache, ids, options);
-    benchmark::DoNotOptimize(result.output.data());
-    for (const mha::Index id : ids) cache.truncate(id, context);
-  }
-  state.counters["tokens_per_second"] = per_second(state, wall, static_cast<double>(B));
   const double d = static_cast<double>(E / H), e = static_cast<double>(E);
   const double kv = static_cast<double>(kv_heads) * d;
-  const double weight_bytes = 4.0 * (2 * e * e + 2 * kv * e);
-  const double cache_bytes = 4.0 * 2 * kv * static_cast<double>(B * (context + 1));
-  state.counters["cache_MiB"] = cache_bytes / (1024.0 * 1024.0);
-  set_bytes_read(state, wall, weight_bytes + cache_bytes);
+  return {std::move(layer), std::move(cache), std::move(ids), 4.0 * (2 * e * e + 2 * kv * e),
+          4.0 * 2 * kv * static_cast<double>(B * (context + 1))};
+}
+
+// decode_paged/: decode/'s step over a PagedKVCache of pages of range(3) tokens (paged_context).
+void decode_paged(benchmark::State& state) {
+  const mha::Index B = state.range(0), context = state.range(2);
+  auto paged = paged_context(B, state.range(1), context, state.range(3), 0);
+  const auto options = mha::MultiHeadAttention<float>::decode_options();
+  const auto token = random_tensor({B, 1, 2048}, 2);
+  const WallClock wall;
+  for (auto _ : state) {
+    auto result = paged.layer.decode(token, paged.cache, paged.ids, options);
+    benchmark::DoNotOptimize(result.output.data());
+    for (const mha::Index id : paged.ids) paged.cache.truncate(id, context);
+  }
+  state.counters["tokens_per_second"] = per_second(state, wall, static_cast<double>(B));
+  state.counters["cache_MiB"] = paged.cache_bytes / (1024.0 * 1024.0);
+  set_bytes_read(state, wall, paged.weight_bytes + paged.cache_bytes);
+}
+
+// decode_continuous/: a continuous-batching step over decode_paged/'s cache: one packed call
+// (ForwardOptions::cu_seqlens, x [T, E], no padding row) in which sequence 0 brings range(4)
+// tokens (a prompt chunk, or 1) and every other sequence one. With chunk 1 it is decode/'s step
+// at the same sizes, through the serving interface: issue 19's 1.1x target compares the two.
+void decode_continuous(benchmark::State& state) {
+  const mha::Index B = state.range(0), context = state.range(2), page = state.range(3);
+  const mha::Index chunk = state.range(4);
+  auto paged = paged_context(B, state.range(1), context, page, (chunk + page - 1) / page);
+  auto options = mha::MultiHeadAttention<float>::decode_options();
+  options.cu_seqlens = {0, chunk};
+  for (mha::Index b = 1; b < B; ++b) options.cu_seqlens.push_back(chunk + b);
+  const auto tokens = random_tensor({chunk + B - 1, 2048}, 2);
+  const WallClock wall;
+  for (auto _ : state) {
+    auto result = paged.layer.decode(tokens, paged.cache, paged.ids, options);
+    benchmark::DoNotOptimize(result.output.data());
+    for (const mha::Index id : paged.ids) paged.cache.truncate(id, context);
+  }
+  state.counters["tokens_per_second"] = per_second(state, wall, static_cast<double>(chunk + B - 1));
+  state.counters["cache_MiB"] = paged.cache_bytes / (1024.0 * 1024.0);
+  set_bytes_read(state, wall, paged.weight_bytes + paged.cache_bytes);
 }
 
 // decode_cache/<format>: the decode step above with its KV cache stored as `format`: float
@@ -1399,6 +1435,11 @@ BENCHMARK(decode_paged)
     ->Name("decode_paged")
     ->ArgNames({"B", "H_kv", "context", "page"})
     ->ArgsProduct({{1, 8}, {16, 4, 1}, {2048}, {48, 192}})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(decode_continuous)
+    ->Name("decode_continuous")
+    ->ArgNames({"B", "H_kv", "context", "page", "chunk"})
+    ->ArgsProduct({{8}, {16, 4, 1}, {2048}, {48, 192}, {1, 64}})
     ->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(decode_cache, float, mha::KVCacheFormat::as_layer)
     ->Name("decode_cache/float")

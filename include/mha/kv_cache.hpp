@@ -23,6 +23,17 @@
 // attention whose window looks back w keys (ForwardOptions::window.left <= w), as Mistral decodes.
 // A step of n tokens needs w + n rows; capacity 2w makes the rare compaction (moving the kept rows
 // to the front of the buffer) cost one row per decoded token on average.
+//
+// A streaming cache (KVCache::streaming, StreamingLLM) keeps each sequence's first n tokens, the
+// attention sinks, and its last w: a step attends to those and its own tokens, and then the
+// oldest of the w are dropped. Positions are those inside the cache, as the paper assigns them:
+// with tokens 0-3 kept and 6-8 after them, the next token is 7 positions from token 0, not 9.
+// Rotary embeddings measure only the distance between a query and a key, and the kept recent
+// tokens are contiguous with the new ones, so they keep their rotation at their own positions;
+// only the n sink keys must look nearer, and they are rotated again (from an unrotated copy) at
+// positions dropped .. dropped + n - 1 each time tokens are dropped: n rows per step, against
+// rotating the whole cache at every step. ALiBi and causal masking already count distances in
+// the cache's rows.
 #pragma once
 
 #include <algorithm>
@@ -54,6 +65,8 @@ template <class T>
 struct DecodeStepBuffers {
   using Compute = compute_t<T>;
   Matrix<Compute> queries, new_keys, new_values, attended, input, output;
+  // A streaming cache's sink keys, rotated at the positions a step's eviction gives them.
+  Matrix<Compute> sink_keys;
   RopeTable<Compute> rope_table;
   std::vector<KernelScratch<Compute>> kernel;
   // The decoding kernel's sequences and buffers (kernels/decode.hpp).
@@ -188,17 +201,54 @@ class KVCache {
     position_.assign(static_cast<std::size_t>(batch), 0);
   }
 
+  // A streaming cache (StreamingLLM, see the top): each sequence keeps its first sink_tokens
+  // tokens and its last `window`; a step of n tokens needs sink_tokens + window + n rows, and a
+  // capacity of sink_tokens + 2·window makes compaction cost about a row per decoded token.
+  static KVCache streaming(Index batch, Index num_kv_heads, Index head_dim, Index sink_tokens,
+                           Index window, Index capacity,
+                           KVCacheFormat format = KVCacheFormat::as_layer) {
+    if (sink_tokens < 1) {
+      detail::throw_argument("sink_tokens",
+                             "expected at least 1 (a cache without sinks is a sliding-window "
+                             "cache: pass window to the constructor), got " +
+                                 std::to_string(sink_tokens));
+    }
+    if (window < 0) {
+      detail::throw_argument("window",
+                             "expected >= 0 recent tokens, got " + std::to_string(window));
+    }
+    if (capacity <= sink_tokens + window) {
+      detail::throw_argument("capacity", "expected at least " +
+                                             std::to_string(sink_tokens + window + 1) +
+                                             " (sink_tokens + window + one new token), got " +
+                                             std::to_string(capacity));
+    }
+    KVCache cache(batch, num_kv_heads, head_dim, capacity, -1, format);
+    cache.window_ = window;
+    cache.sink_tokens_ = sink_tokens;
+    const auto sink_elements = static_cast<std::size_t>(batch * sink_tokens * cache.width());
+    cache.sink_keys_.assign(sink_elements, 0);
+    cache.sink_values_.assign(sink_elements, 0);
+    cache.sinks_moved_.assign(static_cast<std::size_t>(batch), false);
+    return cache;
+  }
+
   Index batch() const { return static_cast<Index>(length_.size()); }
   Index capacity() const { return capacity_; }
   Index num_kv_heads() const { return num_kv_heads_; }
   Index head_dim() const { return head_dim_; }
-  // The sliding window (keys kept), or -1 for a cache that keeps every token.
+  // The sliding window (keys kept; a streaming cache's recent tokens), or -1 for a cache that
+  // keeps every token.
   Index window() const { return window_; }
-  bool sliding() const { return window_ >= 0; }
+  bool sliding() const { return window_ >= 0 && !streaming(); }
+  // A streaming cache's first tokens kept (its attention sinks), 0 for any other cache.
+  Index sink_tokens() const { return sink_tokens_; }
+  bool streaming() const { return sink_tokens_ > 0; }
 
   // Tokens sequence b has decoded: the position of its next token.
   Index position(Index b) const { return position_[checked(b)]; }
-  // Keys sequence b holds now: position(b), or at most the window for a sliding cache.
+  // Keys sequence b holds now: position(b), or at most the window for a sliding cache (the sinks
+  // and the window for a streaming cache).
   Index length(Index b) const { return length_[checked(b)]; }
   KVCacheFormat format() const { return format_; }
   bool quantized() const { return format_ != KVCacheFormat::as_layer; }
@@ -207,7 +257,8 @@ class KVCache {
   std::size_t storage_bytes() const { return stored_.bytes(); }
 
   // The cached keys and values of sequence b, oldest first: [length(b), H_kv·D], head h in
-  // columns h·D .. h·D + D - 1, rotated when the steps used rotary embeddings. A quantized cache
+  // columns h·D .. h·D + D - 1, rotated when the steps used rotary embeddings (a streaming cache's
+  // sinks at the positions inside the cache that the next step sees). A quantized cache
   // holds no such rows: read it with dequantized_keys and dequantized_values.
   TensorView<const T> keys(Index b) const { return rows(stored_.keys, b); }
   TensorView<const T> values(Index b) const { return rows(stored_.values, b); }
@@ -216,19 +267,21 @@ class KVCache {
   Tensor<float> dequantized_values(Index b) const { return dequantized(b, true); }
 
   // Forgets sequence b's tokens from `position` on (a rejected speculative draft, a beam that is
-  // dropped): its next step continues there. A sliding cache can go back only as far as it still
-  // holds the window before that position.
+  // dropped): its next step continues there. A sliding (streaming) cache can go back only as far
+  // as it still holds the window (and the sinks) before that position, as if the later tokens had
+  // never been decoded.
   void rewind(Index b, Index position) {
     const auto i = checked(b);
-    const Index first = position_[i] - length_[i];  // the position of the oldest key held
-    const Index needed = sliding() ? std::max<Index>(0, position - window_) : 0;
-    if (position < 0 || position > position_[i] || first > needed) {
+    const Index dropped = position_[i] - length_[i];  // tokens no longer held
+    const Index kept = window_ >= 0 ? sink_tokens_ + window_ : 0;
+    const Index needed = window_ >= 0 ? std::max<Index>(0, position - kept) : 0;
+    if (position < 0 || position > position_[i] || dropped > needed) {
       detail::throw_argument(
           "position", "sequence " + std::to_string(b) + " can rewind to a position in [" +
-                          std::to_string(sliding() && first > 0 ? first + window_ : 0) + ", " +
+                          std::to_string(dropped > 0 ? dropped + kept : 0) + ", " +
                           std::to_string(position_[i]) + "], got " + std::to_string(position));
     }
-    length_[i] = position - first;
+    length_[i] = position - dropped;
     position_[i] = position;
   }
 
@@ -239,6 +292,7 @@ class KVCache {
   void clear(Index b) {
     const auto i = checked(b);
     start_[i] = length_[i] = position_[i] = 0;
+    if (streaming()) sinks_moved_[i] = false;
   }
 
  private:
@@ -316,25 +370,38 @@ class KVCache {
     return start_[i] + length_[i];
   }
   // After a step appended `count` keys to sequence b: a sliding cache drops all but the last
-  // window of them.
+  // window of them; a streaming cache drops the oldest after its sinks, whose rows then begin
+  // where the kept ones did. No row moves (a step's kernel may not have read them yet):
+  // Decoding's settle writes the sinks there after the step.
   void advance(Index b, Index count) {
     const auto i = static_cast<std::size_t>(b);
     length_[i] += count;
     position_[i] += count;
-    if (sliding() && length_[i] > window_) {
-      start_[i] += length_[i] - window_;
-      length_[i] = window_;
+    const Index kept = sink_tokens_ + window_;
+    if (window_ >= 0 && length_[i] > kept) {
+      start_[i] += length_[i] - kept;
+      length_[i] = kept;
+      if (streaming()) sinks_moved_[i] = true;
     }
+  }
+  // A streaming cache's unrotated sink rows of sequence b, [sink_tokens, H_kv·D].
+  detail::compute_t<T>* sink_rows(bool values, Index b) {
+    return (values ? sink_values_ : sink_keys_).data() + b * sink_tokens_ * width();
   }
   T* key_row(Index b, Index row) { return stored_.keys.data() + (b * capacity() + row) * width(); }
   T* value_row(Index b, Index row) {
     return stored_.values.data() + (b * capacity() + row) * width();
   }
 
-  Index num_kv_heads_ = 0, head_dim_ = 0, window_ = -1, capacity_ = 0;
+  Index num_kv_heads_ = 0, head_dim_ = 0, window_ = -1, capacity_ = 0, sink_tokens_ = 0;
   KVCacheFormat format_ = KVCacheFormat::as_layer;
   detail::StoredRows<T> stored_;  // [B · capacity, H_kv·D] rows
   std::vector<Index> start_, length_, position_;
+  // A streaming cache's first tokens' keys before rotation and their values, [B, sink_tokens,
+  // H_kv·D], in the compute type; and which sequences dropped tokens in the last step, whose
+  // sinks settle must write (rotated) before the rows that are kept.
+  std::vector<detail::compute_t<T>> sink_keys_, sink_values_;
+  std::vector<bool> sinks_moved_;
   // The step's buffers, reused while shapes repeat: a cache belongs to one decoding thread.
   detail::DecodeStepBuffers<T> step_;
 };

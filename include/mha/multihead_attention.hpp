@@ -276,6 +276,15 @@ class MultiHeadAttention {
     return KVCache<T>(batch, num_kv_heads(), head_dim(), capacity, window, format);
   }
 
+  // A streaming cache (StreamingLLM; kv_cache.hpp): each sequence keeps its first sink_tokens
+  // tokens and its last `window`, at positions inside the cache, so a model decodes a stream of
+  // any length in fixed memory; capacity >= sink_tokens + window + the most tokens of a step.
+  KVCache<T> make_streaming_cache(Index batch, Index sink_tokens, Index window, Index capacity,
+                                  KVCacheFormat format = KVCacheFormat::as_layer) const {
+    return KVCache<T>::streaming(batch, num_kv_heads(), head_dim(), sink_tokens, window, capacity,
+                                 format);
+  }
+
   // A paged cache for this layer's keys and values (paged_kv_cache.hpp): a pool of num_pages
   // pages of page_size tokens (a multiple of 48) that any number of sequences share.
   PagedKVCache<T> make_paged_kv_cache(Index page_size, Index num_pages,

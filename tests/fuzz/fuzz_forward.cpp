@@ -21,7 +21,11 @@
 //     finite and per-head weight rows sum to at most 1;
 //   - cross-attention over the key encoded once (encode_memory, cross_attend) runs wherever
 //     forward with key = value = that memory runs (kdim = vdim, no add_bias_kv or
-//     add_zero_attn), with a finite output that agrees with it for a float layer.
+//     add_zero_attn), with a finite output that agrees with it for a float layer;
+//   - a streaming cache (KVCache::streaming) of decoded sinks, window and capacity, fed a
+//     sequence twice over in decoded steps and rewound to decoded positions: a step is refused
+//     exactly when it does not fit, a rewind exactly when it would need a dropped token, and a
+//     float layer's step agrees with forward over the tokens the cache holds and its own.
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -310,7 +314,8 @@ mha_fuzz::Tally tally("fuzz_forward",
                        "ran and compared", "ran and compared, and ran in bf16",
                        "ran, ran in bf16, and decoded through a quantized cache",
                        "and ran a packed batch", "and ran a layer with sinks",
-                       "and attended to an encoded memory"});
+                       "and attended to an encoded memory",
+                       "and streamed through a streaming cache"});
 
 // Rows [begin, begin + count) of x's batch element b ([B, L, width]) as [count, width].
 template <class T>
@@ -409,6 +414,82 @@ void check_cross_attention(const mha::MultiHeadAttention<T>& layer, const Case& 
     kernels_agree(expected->output, *actual, "cross-attention over an encoded memory");
   }
   tally.count(7);
+}
+
+// Feeds sequence 0 of the query, twice over, through a streaming cache in steps of decoded sizes,
+// rewinding now and then to a decoded position (see the top for what is checked).
+template <class T>
+void check_streaming(const mha::MultiHeadAttention<T>& layer, const Case& c, Choices& choices,
+                     const Tensor<T>& query, const mha::ForwardOptions<T>& decoded) {
+  const bool self_attention_layer = (c.kdim == 0 || c.kdim == c.embed) &&
+                                    (c.vdim == 0 || c.vdim == c.embed) && !c.add_bias_kv &&
+                                    !c.add_zero_attn;
+  const Index sinks = choices.in(1, 3), window = choices.in(0, 4);
+  const Index capacity = sinks + window + choices.in(1, 4);
+  auto options = mha::MultiHeadAttention<T>::decode_options();
+  options.rope = decoded.rope;
+  options.alibi_slopes = decoded.alibi_slopes;
+  options.softcap = decoded.softcap;
+  const Index length = c.query_len, embed = c.embed;
+  Tensor<T> stream({2 * length, embed});
+  for (Index t = 0; t < 2 * length; ++t) {
+    for (Index e = 0; e < embed; ++e)
+      stream.data()[t * embed + e] = query.data()[(t % length) * embed + e];
+  }
+  auto cache = layer.make_streaming_cache(1, sinks, window, capacity);
+  for (int step = 0; step < 12 && cache.position(0) < 2 * length; ++step) {
+    const Index first = cache.position(0), held = cache.length(0);
+    if (choices.in(0, 3) == 0) {  // a rewind
+      const Index to = choices.in(0, first);
+      const bool possible = first == held || to == first;  // nothing dropped, or no change
+      bool taken = true;
+      try {
+        cache.rewind(0, to);
+      } catch (const mha::ShapeError&) {
+        taken = false;
+      }
+      if (taken != possible) {
+        violation(std::string("a streaming cache ") + (taken ? "took" : "refused") +
+                  " a rewind from " + std::to_string(first) + " to " + std::to_string(to) +
+                  " holding " + std::to_string(held));
+      }
+      continue;
+    }
+    const Index count = std::min(choices.in(1, 4), 2 * length - first);
+    Tensor<T> x({count, embed});
+    x.matrix() = stream.matrix().middleRows(first, count);
+    std::optional<Tensor<T>> out;
+    try {
+      out = layer.decode(x.view(), cache, options).output;
+    } catch (const mha::ShapeError&) {
+    }
+    const bool fits = held + count <= capacity;
+    if (!out) {
+      if (self_attention_layer && fits) violation("a streaming cache refused a step that fits");
+      if (cache.position(0) != first || cache.length(0) != held) {
+        violation("a refused streaming step changed the cache");
+      }
+      return;
+    }
+    if (!fits) violation("a streaming cache took a step that does not fit");
+    check_finite(*out, "streaming output");
+    if constexpr (std::is_same_v<T, float>) {
+      // The tokens the cache held, then the step's: the first `sinks`, the last `window`.
+      std::vector<Index> kept;
+      for (Index t = 0; t < std::min(sinks, first); ++t) kept.push_back(t);
+      for (Index t = std::max(std::min(sinks, first), first - window); t < first + count; ++t)
+        kept.push_back(t);
+      Tensor<float> gathered({static_cast<Index>(kept.size()), embed});
+      for (std::size_t r = 0; r < kept.size(); ++r) {
+        gathered.matrix().row(static_cast<Index>(r)) = stream.matrix().row(kept[r]);
+      }
+      const auto full = layer.forward(gathered.view(), options).output;
+      Tensor<float> expected({count, embed});
+      expected.matrix() = full.matrix().bottomRows(count);
+      kernels_agree(expected, *out, "a streaming step against forward over the tokens it holds");
+    }
+  }
+  tally.count(8);
 }
 
 // The layer with learnable sinks of decoded values in [-8, 8]: both kernels, finite outputs,
@@ -589,6 +670,7 @@ void run_case(const Case& c, Choices& choices) {
       check_sinks(config, source, choices, query, key_input, value_input, options);
   }
   if (choices.flag()) check_cross_attention(layer, c, query, key);
+  if (choices.flag()) check_streaming(layer, c, choices, query, options);
 }
 
 }  // namespace

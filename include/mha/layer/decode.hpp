@@ -117,6 +117,13 @@ struct Decoding {
                            std::to_string(options.window.left) +
                            (options.window.left < 0 ? " (unbounded)" : ""));
       }
+      if (cache.streaming() && (options.window.active() || options.pattern.active())) {
+        throw_argument("window/pattern",
+                       "a streaming cache decides which keys a token sees (its sinks and its "
+                       "last " +
+                           std::to_string(cache.window()) +
+                           " tokens), at positions inside the cache: set neither");
+      }
       if (cache.sliding() && options.pattern.active()) {
         throw_argument("pattern",
                        "global tokens and block layouts are over absolute positions, which a "
@@ -124,19 +131,55 @@ struct Decoding {
       }
     }
 
+    // `count` rows of keys and values into sequence b's rows from `row` on, in the cache's format.
+    void store_at(Index b, Index row, Index count, const Compute* keys, const Compute* values) {
+      const Index width = cache.width();
+      if (cache.format() == KVCacheFormat::q8) {
+        store_rows(count, width, keys, values, cache.template block_row<Q8Block>(false, b, row),
+                   cache.template block_row<Q8Block>(true, b, row));
+      } else if (cache.format() == KVCacheFormat::q4) {
+        store_rows(count, width, keys, values, cache.template block_row<Q4Block>(false, b, row),
+                   cache.template block_row<Q4Block>(true, b, row));
+      } else {
+        store_rows(count, width, keys, values, cache.key_row(b, row), cache.value_row(b, row));
+      }
+    }
+
+    // Before the step's keys are rotated: a streaming cache keeps its first tokens' keys
+    // unrotated (and their values), to rotate them again whenever tokens are dropped.
+    void keep_sinks(Index b, Index count, const Compute* keys, const Compute* values) {
+      const Index position = cache.position(b), sinks = cache.sink_tokens();
+      if (position >= sinks) return;
+      const Index width = cache.width(), rows = std::min(count, sinks - position);
+      std::copy(keys, keys + rows * width, cache.sink_rows(false, b) + position * width);
+      std::copy(values, values + rows * width, cache.sink_rows(true, b) + position * width);
+    }
+
+    // After the step (its kernels have read every row): where a streaming cache dropped tokens,
+    // its sinks are written before the rows it kept, rotated at positions dropped .. dropped +
+    // sinks - 1 so that each key sits as far from the next query as inside the cache.
+    void settle(Index b, const ForwardOptions<T>& options, Index rotary_dim) {
+      const auto i = static_cast<std::size_t>(b);
+      if (!cache.streaming() || !cache.sinks_moved_[i]) return;
+      cache.sinks_moved_[i] = false;
+      const Index sinks = cache.sink_tokens(), width = cache.width();
+      Matrix<Compute>& rotated = cache.step_.sink_keys;
+      rotated.resize(sinks, width);
+      const Compute* unrotated = cache.sink_rows(false, b);
+      std::copy(unrotated, unrotated + sinks * width, rotated.data());
+      if (options.rope) {
+        RopeTable<Compute>& table = cache.step_.rope_table;
+        table.fill(*options.rope, rotary_dim, cache.position(b) - cache.length(b), sinks);
+        rotate_heads(rotated.data(), sinks, width, cache.num_kv_heads(), cache.head_dim(), table,
+                     false);
+      }
+      store_at(b, cache.start_[i], sinks, rotated.data(), cache.sink_rows(true, b));
+    }
+
     // Sequence b's `count` new rows into its cache; returns the keys its step attends to.
     Index append(Index b, Index count, const Compute* keys, const Compute* values) {
       const Index first = cache.reserve(b, count);
-      const Index width = cache.width();
-      if (cache.format() == KVCacheFormat::q8) {
-        store_rows(count, width, keys, values, cache.template block_row<Q8Block>(false, b, first),
-                   cache.template block_row<Q8Block>(true, b, first));
-      } else if (cache.format() == KVCacheFormat::q4) {
-        store_rows(count, width, keys, values, cache.template block_row<Q4Block>(false, b, first),
-                   cache.template block_row<Q4Block>(true, b, first));
-      } else {
-        store_rows(count, width, keys, values, cache.key_row(b, first), cache.value_row(b, first));
-      }
+      store_at(b, first, count, keys, values);
       starts.resize(static_cast<std::size_t>(batch()));
       const Index start = cache.start_[static_cast<std::size_t>(b)];
       starts[static_cast<std::size_t>(b)] = start;
@@ -347,6 +390,12 @@ struct Decoding {
     }
 
     void advance(Index b, Index count) { arguments_unused(b, count); }  // (append did)
+    void keep_sinks(Index b, Index count, const Compute* keys, const Compute* values) {
+      arguments_unused(b, count, keys, values);
+    }
+    void settle(Index b, const ForwardOptions<T>& options, Index rotary_dim) {
+      arguments_unused(b, options, rotary_dim);
+    }
   };
 
   // Where each sequence's rows of a step are in x: padded ([B, n, E], row b·n on) or packed
@@ -450,6 +499,7 @@ ForwardResult<T> Decoding<T>::run(const LayerParameters<T>& parameters,
     Compute* queries = buffers.queries.data() + first * inner;
     Compute* keys = appends ? buffers.new_keys.data() + first * width : nullptr;
     Compute* values = appends ? buffers.new_values.data() + first * width : nullptr;
+    if (appends) steps.keep_sinks(b, count, keys, values);
     if (options.rope) {
       buffers.rope_table.fill(*options.rope, rotary_dim, steps.position(b), count);
       rotate_heads(queries, count, inner, heads, head_dim, buffers.rope_table, false);
@@ -498,6 +548,7 @@ ForwardResult<T> Decoding<T>::run(const LayerParameters<T>& parameters,
       decode_attention(buffers.q4_sequences, block_shape, core, buffers.kernel, buffers.decode);
     }
   }
+  for (Index b = 0; b < batch; ++b) steps.settle(b, options, rotary_dim);
 
   scale_heads(buffers.attended, options.head_gate, head_dim);
   ForwardResult<T> result;
