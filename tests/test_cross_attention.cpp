@@ -125,3 +125,40 @@ TEST_CASE("cross-attention refuses positions, causal masking and bad memories", 
       mha_test::message_of<mha::ShapeError>([&] { with_bias.encode_memory(memory); }),
       "add_bias_kv"));
 }
+
+TEST_CASE("a frozen layer attends to an encoded memory as the layer, and in int8 within its bound",
+          "[cross][frozen]") {
+  // E = 256, H = 4 at PyTorch's initialisation, kdim = vdim = 96: test_precision's int8 setting.
+  mha::MultiHeadAttentionConfig config(256, 4);
+  config.kdim = config.vdim = 96;
+  config.seed = 15;
+  const mha::MultiHeadAttention<float> layer(config);
+  const auto memory = mha_test::random_tensor<float>({2, 30, 96}, 16);
+  const std::vector<Index> lengths{30, 11};
+  const auto x = mha_test::random_tensor<float>({2, 20, 256}, 17);
+  auto encoded = layer.encode_memory(memory, lengths);
+  const auto expected = layer.cross_attend(x, encoded);
+  // fp32 weights: the packed weights give the layer's bits (as test_frozen's forward and decode).
+  const mha::FrozenMultiHeadAttention<float> frozen(layer);
+  auto frozen_encoded = frozen.encode_memory(memory, lengths);
+  REQUIRE(frozen_encoded.length(1) == 11);
+  CHECK(frozen_encoded.keys(0).matrix() == encoded.keys(0).matrix());
+  CHECK(frozen.cross_attend(x, frozen_encoded).output.flat() == expected.output.flat());
+  // int8 weights and Precision::int8 (the queries' and the output's products in int8): within
+  // test_precision's 2e-2 of the float64 layer.
+  const mha::FrozenMultiHeadAttention<float> int8_frozen(layer, mha::FrozenWeights::int8);
+  auto int8_encoded = int8_frozen.encode_memory(memory, lengths);
+  const auto wide = mha_test::converted<double>(layer);
+  auto wide_encoded = wide.encode_memory(mha::tensor_cast<double>(memory), lengths);
+  const auto exact = wide.cross_attend(mha::tensor_cast<double>(x), wide_encoded).output;
+  auto options = layer.cross_attention_options();
+  options.precision = mha::Precision::int8;
+  const auto int8 = int8_frozen.cross_attend(x, int8_encoded, options).output;
+  CHECK(mha_test::error_of_largest(int8, exact) <= 2e-2);
+  const auto weight_only = int8_frozen.cross_attend(x, int8_encoded).output;
+  CHECK((int8.flat() != weight_only.flat()) == mha::detail::int8_dot_available());
+  // The layer itself keeps no packed weights for it.
+  CHECK(mha_test::contains(
+      mha_test::message_of<std::invalid_argument>([&] { layer.cross_attend(x, encoded, options); }),
+      "precision"));
+}

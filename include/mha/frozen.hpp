@@ -151,6 +151,21 @@ class FrozenMultiHeadAttention {
                                      &packed_);
   }
 
+  // MultiHeadAttention::encode_memory (the memory is projected once, in fp32, as the layer does)
+  // and cross_attend, whose query and output projections run on the packed weights, in bf16 or
+  // int8 as options.precision asks.
+  KVCache<T> encode_memory(TensorView<const T> memory, const std::vector<Index>& lengths = {},
+                           KVCacheFormat format = KVCacheFormat::as_layer) const {
+    return layer_.encode_memory(memory, lengths, format);
+  }
+  ForwardResult<T> cross_attend(
+      TensorView<const T> x, KVCache<T>& memory,
+      const ForwardOptions<T>& options = MultiHeadAttention<T>::cross_attention_options(),
+      const std::vector<Index>& new_tokens = {}) const {
+    return detail::Decoding<T>::cross_step(layer_.parameters_, x, memory, options, new_tokens,
+                                           &packed_);
+  }
+
  private:
   // The projection weights' names: in_proj_weight holds W_q, W_k and W_v as row blocks.
   std::vector<std::string> weight_names() const {

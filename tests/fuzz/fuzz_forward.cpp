@@ -21,7 +21,8 @@
 //     finite and per-head weight rows sum to at most 1;
 //   - cross-attention over the key encoded once (encode_memory, cross_attend) runs wherever
 //     forward with key = value = that memory runs (kdim = vdim, no add_bias_kv or
-//     add_zero_attn), with a finite output that agrees with it for a float layer;
+//     add_zero_attn), with a finite output that agrees with it for a float layer, as does that
+//     layer frozen;
 //   - a streaming cache (KVCache::streaming) of decoded sinks, window and capacity, fed a
 //     sequence twice over in decoded steps and rewound to decoded positions: a step is refused
 //     exactly when it does not fit, a rewind exactly when it would need a dropped token, and a
@@ -38,6 +39,7 @@
 #include <vector>
 
 #include "fuzz_support.hpp"
+#include "mha/frozen.hpp"
 #include "mha/multihead_attention.hpp"
 
 namespace {
@@ -412,6 +414,12 @@ void check_cross_attention(const mha::MultiHeadAttention<T>& layer, const Case& 
   // keys can move a score by several of its units), so only a float layer must agree.
   if constexpr (std::is_same_v<T, float>) {
     kernels_agree(expected->output, *actual, "cross-attention over an encoded memory");
+    // A frozen layer's packed weights: the layer's products, up to their order (bit for bit at
+    // test_cross_attention's shapes, not at every one: E = 1 with H = 4 differs in the last bit).
+    const mha::FrozenMultiHeadAttention<float> frozen(layer);
+    auto frozen_memory = frozen.encode_memory(memory.view());
+    const auto frozen_output = frozen.cross_attend(query.view(), frozen_memory, options).output;
+    kernels_agree(*actual, frozen_output, "a frozen layer's cross-attention");
   }
   tally.count(7);
 }

@@ -58,9 +58,10 @@ struct Decoding {
   static ForwardResult<T> cross_step(const LayerParameters<T>& parameters,
                                      const TensorView<const T>& x, KVCache<T>& memory,
                                      const ForwardOptions<T>& options,
-                                     const std::vector<Index>& new_tokens) {
+                                     const std::vector<Index>& new_tokens,
+                                     const PackedProjections* packed = nullptr) {
     Memory steps{Contiguous{memory}};
-    return run(parameters, x, steps, options, new_tokens, nullptr);
+    return run(parameters, x, steps, options, new_tokens, packed);
   }
   // memory [B, S, kdim] ([S, kdim] for one sequence), an encoder's output, projected into keys
   // and values once, into `cache` (B sequences, capacity S, empty): sequence b holds its first
