@@ -28,10 +28,12 @@
 #include <string>
 #include <vector>
 
+#include <mha/flex.hpp>
 #include <mha/kernels/bf16_gemm.hpp>
 #include <mha/kernels/bf16_projection.hpp>
 #include <mha/kernels/decode.hpp>
 #include <mha/mha.hpp>
+#include <mha/mods.hpp>
 
 #include "ceilings.hpp"
 
@@ -498,6 +500,127 @@ void global_tokens(benchmark::State& state) {
   }
   state.counters["visible_pairs_M"] = pairs * 1e-6;
   set_flops(state, wall, 4.0 * static_cast<double>(H * D) * pairs);
+}
+
+// User mods against the built-in options they re-express (issue 20's first target: within
+// 1.1x), the attention core alone, B = 1, H = 8, D = 64, L = S = range(0), causal throughout:
+// flex/<variant>/builtin runs scaled_dot_product_attention with the options, flex/<variant>/mod
+// flex_attention with a causal block mask (built once, outside the timing) and the variant's
+// mod. Variants: causal alone; a causal window of 512 keys; ALiBi; softcap 30. GFLOPS counts the
+// visible pairs, 4·D FLOPs each per head.
+enum class FlexVariant { causal, window, alibi, softcap };
+constexpr mha::Index kFlexWindow = 511;
+
+void flex_variant(benchmark::State& state, FlexVariant variant, bool mods) {
+  const mha::Index L = state.range(0), H = 8, D = 64;
+  const auto q = random_tensor({1, H, L, D}, 1), k = random_tensor({1, H, L, D}, 2),
+             v = random_tensor({1, H, L, D}, 3);
+  mha::AttentionOptions<float> builtin;
+  builtin.causal = mha::Causal::top_left;
+  if (variant == FlexVariant::window) builtin.window = mha::Window{kFlexWindow, 0};
+  if (variant == FlexVariant::alibi) builtin.alibi_slopes = mha::alibi_slopes<float>(H);
+  if (variant == FlexVariant::softcap) builtin.softcap = 30.0F;
+  const auto time = [&](const auto& call) {
+    call();
+    const WallClock wall;
+    for (auto _ : state) benchmark::DoNotOptimize(call().output.data());
+    const double n = static_cast<double>(L);
+    const double reach = variant == FlexVariant::window ? static_cast<double>(kFlexWindow) : n;
+    const double pairs = reach >= n ? n * (n + 1) / 2 : n * (reach + 1) - reach * (reach + 1) / 2;
+    set_flops(state, wall, 4.0 * static_cast<double>(H * D) * pairs);
+  };
+  if (!mods) {
+    time([&] { return mha::scaled_dot_product_attention(q, k, v, builtin); });
+    return;
+  }
+  const mha::AttentionOptions<float> plain;
+  if (variant == FlexVariant::window) {
+    const auto window =
+        mha::create_block_mask(mha::mods::SlidingWindow{kFlexWindow, 0, 0}, 1, 1, L, L);
+    time([&] { return mha::flex_attention(q, k, v, mha::no_score_mod, window, plain); });
+    return;
+  }
+  const auto causal = mha::create_block_mask(mha::mods::causal(), 1, 1, L, L);
+  switch (variant) {
+    case FlexVariant::alibi: {
+      const mha::mods::Alibi<float> alibi{mha::alibi_slopes<float>(H), 0};
+      time([&] { return mha::flex_attention(q, k, v, alibi, causal, plain); });
+      break;
+    }
+    case FlexVariant::softcap:
+      time([&] {
+        return mha::flex_attention(q, k, v, mha::mods::Softcap<float>{30.0F}, causal, plain);
+      });
+      break;
+    default:
+      time([&] { return mha::flex_attention(q, k, v, mha::no_score_mod, causal, plain); });
+  }
+}
+
+// Document masking over n = range(0) packed documents of equal length, T = 8192 tokens in all,
+// causal, H = 8, D = 64 (the second target: within 1.2x of running the documents separately):
+// flex/documents/mod is one flex_attention over the packed tokens with a document mask,
+// flex/documents/separate one causal scaled_dot_product_attention per document.
+void flex_documents(benchmark::State& state, bool mods) {
+  const mha::Index T = 8192, H = 8, D = 64, n = state.range(0), length = T / n;
+  std::vector<mha::Index> cu_seqlens{0};
+  for (mha::Index d = 0; d < n; ++d) cu_seqlens.push_back(cu_seqlens.back() + length);
+  const auto document_mask = mha::create_block_mask(
+      mha::mods::mask_and(mha::mods::document(cu_seqlens), mha::mods::causal()), 1, 1, T, T);
+  const auto q = random_tensor({1, H, T, D}, 1), k = random_tensor({1, H, T, D}, 2),
+             v = random_tensor({1, H, T, D}, 3);
+  std::vector<mha::Tensor<float>> parts_q, parts_k, parts_v;
+  for (mha::Index d = 0; d < n && !mods; ++d) {
+    parts_q.push_back(random_tensor({1, H, length, D}, 10 + 3 * static_cast<std::uint64_t>(d)));
+    parts_k.push_back(random_tensor({1, H, length, D}, 11 + 3 * static_cast<std::uint64_t>(d)));
+    parts_v.push_back(random_tensor({1, H, length, D}, 12 + 3 * static_cast<std::uint64_t>(d)));
+  }
+  mha::AttentionOptions<float> causal;
+  causal.causal = mha::Causal::top_left;
+  const auto call = [&] {
+    if (mods) {
+      benchmark::DoNotOptimize(
+          mha::flex_attention(q, k, v, mha::no_score_mod, document_mask).output.data());
+      return;
+    }
+    for (mha::Index d = 0; d < n; ++d) {
+      const auto i = static_cast<std::size_t>(d);
+      benchmark::DoNotOptimize(
+          mha::scaled_dot_product_attention(parts_q[i], parts_k[i], parts_v[i], causal)
+              .output.data());
+    }
+  };
+  const double per_document = static_cast<double>(length) * static_cast<double>(length + 1) / 2;
+  time_calls(state, call, nullptr,
+             4.0 * static_cast<double>(H * D) * per_document * static_cast<double>(n));
+}
+
+// 2D neighbourhood attention (NATTEN) on a 64 x 64 grid with a range(0) x range(0) kernel, H = 8,
+// D = 64 (the third target: time proportional to the visible pairs, at 70% or more of the dense
+// kernel's rate per pair): flex/neighbourhood/mod; flex/neighbourhood/dense, the same tokens
+// without a mask (every pair visible), whose GFLOPS is the dense rate.
+void flex_neighbourhood(benchmark::State& state, bool mods) {
+  const mha::Index side = 64, T = side * side, H = 8, D = 64;
+  const mha::Index kernel = std::max<mha::Index>(1, state.range(0));  // 0 for dense: unused
+  const auto q = random_tensor({1, H, T, D}, 1), k = random_tensor({1, H, T, D}, 2),
+             v = random_tensor({1, H, T, D}, 3);
+  const auto neighbourhood =
+      mha::create_block_mask(mha::mods::neighbourhood_2d(side, side, kernel, kernel), 1, 1, T, T);
+  const auto call = [&] {
+    if (mods) {
+      benchmark::DoNotOptimize(
+          mha::flex_attention(q, k, v, mha::no_score_mod, neighbourhood).output.data());
+    } else {
+      benchmark::DoNotOptimize(mha::scaled_dot_product_attention(q, k, v).output.data());
+    }
+  };
+  const double pairs = static_cast<double>(T) *
+                       (mods ? static_cast<double>(kernel * kernel) : static_cast<double>(T));
+  state.counters["visited_share"] =
+      mods ? 1.0 - static_cast<double>(neighbourhood.count(mha::BlockCover::empty)) /
+                       static_cast<double>(neighbourhood.memory_bytes())
+           : 1.0;
+  time_calls(state, call, nullptr, 4.0 * static_cast<double>(H * D) * pairs);
 }
 
 // What talking heads cost: a self-attention layer of E = 512, H = 8 forward, B = 4, L = range(0),
@@ -1420,6 +1543,70 @@ BENCHMARK(global_tokens)
     ->Arg(1)
     ->Arg(16)
     ->Arg(64)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(flex_variant, causal_builtin, FlexVariant::causal, false)
+    ->Name("flex/causal/builtin")
+    ->ArgName("L")
+    ->Arg(4096)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(flex_variant, causal_mod, FlexVariant::causal, true)
+    ->Name("flex/causal/mod")
+    ->ArgName("L")
+    ->Arg(4096)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(flex_variant, window_builtin, FlexVariant::window, false)
+    ->Name("flex/window/builtin")
+    ->ArgName("L")
+    ->Arg(4096)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(flex_variant, window_mod, FlexVariant::window, true)
+    ->Name("flex/window/mod")
+    ->ArgName("L")
+    ->Arg(4096)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(flex_variant, alibi_builtin, FlexVariant::alibi, false)
+    ->Name("flex/alibi/builtin")
+    ->ArgName("L")
+    ->Arg(4096)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(flex_variant, alibi_mod, FlexVariant::alibi, true)
+    ->Name("flex/alibi/mod")
+    ->ArgName("L")
+    ->Arg(4096)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(flex_variant, softcap_builtin, FlexVariant::softcap, false)
+    ->Name("flex/softcap/builtin")
+    ->ArgName("L")
+    ->Arg(4096)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(flex_variant, softcap_mod, FlexVariant::softcap, true)
+    ->Name("flex/softcap/mod")
+    ->ArgName("L")
+    ->Arg(4096)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(flex_documents, separate, false)
+    ->Name("flex/documents/separate")
+    ->ArgName("n")
+    ->Arg(4)
+    ->Arg(16)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(flex_documents, mod, true)
+    ->Name("flex/documents/mod")
+    ->ArgName("n")
+    ->Arg(4)
+    ->Arg(16)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(flex_neighbourhood, dense, false)
+    ->Name("flex/neighbourhood/dense")
+    ->ArgName("kernel")
+    ->Arg(0)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(flex_neighbourhood, mod, true)
+    ->Name("flex/neighbourhood/mod")
+    ->ArgName("kernel")
+    ->Arg(7)
+    ->Arg(13)
+    ->Arg(21)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(talking_heads)
     ->Name("talking_heads/reference")

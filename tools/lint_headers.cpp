@@ -8,8 +8,10 @@
 #include "mha/attention.hpp"
 #include "mha/compiled.hpp"
 #include "mha/diagnostics.hpp"
+#include "mha/dual.hpp"
 #include "mha/errors.hpp"
 #include "mha/finite.hpp"
+#include "mha/flex.hpp"
 #include "mha/frozen.hpp"
 #include "mha/heads.hpp"
 #include "mha/heatmap.hpp"
@@ -34,6 +36,7 @@
 #include "mha/kernels/flash_bf16.hpp"
 #include "mha/kernels/flash_panels.hpp"
 #include "mha/kernels/flash_small_head.hpp"
+#include "mha/kernels/flex_tile.hpp"
 #include "mha/kernels/fp16_products.hpp"
 #include "mha/kernels/gemm.hpp"
 #include "mha/kernels/int8_gemm.hpp"
@@ -58,6 +61,7 @@
 #include "mha/loss_scaling.hpp"
 #include "mha/mask.hpp"
 #include "mha/mha.hpp"
+#include "mha/mods.hpp"
 #include "mha/multihead_attention.hpp"
 #include "mha/optim.hpp"
 #include "mha/paged_kv_cache.hpp"
@@ -79,3 +83,17 @@ template class mha::GradScaler<float>;
 template class mha::Sgd<float>;
 template class mha::Adam<float>;
 template class mha::AdamW<float>;
+template class mha::BlockMask<mha::mods::Causal>;
+template struct mha::Dual<float>;
+
+// flex_attention's forward and backward, with a score_mod of the row form (ALiBi) and one of
+// calls only (a chain), so that clang-tidy reads the flash kernels' flex paths.
+mha::AttentionGradients<float> lint_flex_attention(const mha::Tensor<float>& q) {
+  const auto mask = mha::create_block_mask(mha::mods::causal(), 1, 1, q.dim(1), q.dim(1));
+  const mha::mods::Alibi<float> alibi{mha::alibi_slopes<float>(q.dim(0)), 0};
+  const auto chain = mha::mods::score_chain(alibi, mha::mods::Softcap<float>{5.0F});
+  const auto result = mha::flex_attention(q, q, q, alibi, mask);
+  (void)mha::flex_attention_backward(q, q, q, result, q, alibi, mask);
+  const auto chained = mha::flex_attention(q, q, q, chain);
+  return mha::flex_attention_backward(q, q, q, chained, q, chain);
+}

@@ -9,8 +9,10 @@
 
 #include "mha/attention.hpp"
 #include "mha/diagnostics.hpp"
+#include "mha/dual.hpp"
 #include "mha/errors.hpp"
 #include "mha/finite.hpp"
+#include "mha/flex.hpp"
 #include "mha/frozen.hpp"
 #include "mha/heads.hpp"
 #include "mha/heatmap.hpp"
@@ -18,6 +20,7 @@
 #include "mha/kv_cache.hpp"
 #include "mha/loss_scaling.hpp"
 #include "mha/mask.hpp"
+#include "mha/mods.hpp"
 #include "mha/multihead_attention.hpp"
 #include "mha/optim.hpp"
 #include "mha/paged_kv_cache.hpp"

@@ -26,11 +26,16 @@
 //   - a streaming cache (KVCache::streaming) of decoded sinks, window and capacity, fed a
 //     sequence twice over in decoded steps and rewound to decoded positions: a step is refused
 //     exactly when it does not fit, a rewind exactly when it would need a dropped token, and a
-//     float layer's step agrees with forward over the tokens the cache holds and its own.
+//     float layer's step agrees with forward over the tokens the cache holds and its own;
+//   - flex_attention (mha/flex.hpp) over the case's heads with a decoded mask_mod from
+//     mha/mods.hpp (or two combined), block sizes and score_mod (none, ALiBi, softcap): its
+//     output and gradients agree with scaled_dot_product_attention's reference kernel given the
+//     same mask evaluated densely and the score_mod's built-in option.
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <optional>
 #include <string>
@@ -39,7 +44,9 @@
 #include <vector>
 
 #include "fuzz_support.hpp"
+#include "mha/flex.hpp"
 #include "mha/frozen.hpp"
+#include "mha/mods.hpp"
 #include "mha/multihead_attention.hpp"
 
 namespace {
@@ -311,13 +318,12 @@ std::optional<std::vector<Tensor<float>>> try_training_step(
   }
 }
 
-mha_fuzz::Tally tally("fuzz_forward",
-                      {"layer refused (ShapeError)", "call refused by every kernel (ShapeError)",
-                       "ran and compared", "ran and compared, and ran in bf16",
-                       "ran, ran in bf16, and decoded through a quantized cache",
-                       "and ran a packed batch", "and ran a layer with sinks",
-                       "and attended to an encoded memory",
-                       "and streamed through a streaming cache"});
+mha_fuzz::Tally tally(
+    "fuzz_forward",
+    {"layer refused (ShapeError)", "call refused by every kernel (ShapeError)", "ran and compared",
+     "ran and compared, and ran in bf16", "ran, ran in bf16, and decoded through a quantized cache",
+     "and ran a packed batch", "and ran a layer with sinks", "and attended to an encoded memory",
+     "and streamed through a streaming cache", "and ran flex_attention against its dense mask"});
 
 // Rows [begin, begin + count) of x's batch element b ([B, L, width]) as [count, width].
 template <class T>
@@ -554,6 +560,116 @@ std::pair<std::optional<Tensor<T>>, std::string> try_decode(const mha::MultiHead
   }
 }
 
+// A mask_mod of mods.hpp with decoded parameters for L queries and S keys.
+using MaskFunction = std::function<bool(Index, Index, Index, Index)>;
+
+MaskFunction one_mask_mod(Choices& choices, Index query_len, Index key_len) {
+  const Index offset = choices.flag() ? key_len - query_len : 0;
+  const Index longest = std::max<Index>(1, std::max(query_len, key_len));
+  switch (choices.in(0, 7)) {
+    case 0:
+      return mha::mods::Causal{offset};
+    case 1:
+      return mha::mods::SlidingWindow{choices.in(-1, longest), choices.in(-1, longest), offset};
+    case 2:
+      return mha::mods::Chunked{choices.in(1, longest), offset};
+    case 3:
+      return mha::mods::Dilated{choices.in(0, longest), choices.in(1, 4), offset};
+    case 4:
+      return mha::mods::PrefixLm{choices.in(0, key_len), offset};
+    case 5: {
+      // Documents: query and key lengths cut at the same number of decoded points.
+      const Index documents = choices.in(1, 4);
+      const auto cut = [&](Index length) {
+        std::vector<Index> points{0};
+        for (Index d = 1; d < documents; ++d) points.push_back(choices.in(0, length));
+        points.push_back(length);
+        std::sort(points.begin(), points.end());
+        return points;
+      };
+      const std::vector<Index> queries = cut(query_len), keys = cut(key_len);
+      return mha::mods::document(queries, keys);
+    }
+    case 6: {
+      if (query_len != key_len) return mha::mods::Strided{choices.in(1, 8), offset};
+      // A grid whose rows divide the length, and a kernel that fits it.
+      Index height = choices.in(1, query_len);
+      while (query_len % height != 0) --height;
+      const Index width = query_len / height;
+      return mha::mods::neighbourhood_2d(height, width, choices.in(1, height),
+                                         choices.in(1, width));
+    }
+    default:
+      return mha::mods::Strided{choices.in(1, 8), offset};
+  }
+}
+
+// flex_attention with a decoded mask and score_mod over [B, H, L, D] heads of the case's shape,
+// forward and backward, against the reference kernel given the mask evaluated densely.
+void check_flex(const Case& c, Choices& choices, mha::Random& random) {
+  const Index batch = c.batched ? c.batch : 1, heads = c.heads, kv_heads = c.kv_heads;
+  const Index query_len = c.query_len, key_len = c.key_len, head_dim = c.head_dim;
+  const Tensor<float> q = random_input<float>({batch, heads, query_len, head_dim}, random);
+  const Tensor<float> k = random_input<float>({batch, kv_heads, key_len, head_dim}, random);
+  const Tensor<float> v = random_input<float>({batch, kv_heads, key_len, head_dim}, random);
+  const Tensor<float> grad_out = random_input<float>(q.shape(), random);
+  MaskFunction mask_mod = one_mask_mod(choices, query_len, key_len);
+  if (choices.flag()) {
+    const bool both = choices.flag();
+    MaskFunction other = one_mask_mod(choices, query_len, key_len);
+    mask_mod = both ? MaskFunction(mha::mods::mask_and(mask_mod, other))
+                    : MaskFunction(mha::mods::mask_or(mask_mod, other));
+  }
+  const Index query_block = choices.in(1, 40), key_block = choices.in(1, 80);
+  mha::AttentionOptions<float> options;
+  options.enable_gqa = true;
+  mha::AttentionOptions<float> reference = options;
+  reference.kernel = mha::Kernel::reference;
+  Tensor<float> mask({batch, heads, query_len, key_len});
+  for (Index b = 0; b < batch; ++b) {
+    for (Index h = 0; h < heads; ++h) {
+      for (Index i = 0; i < query_len; ++i) {
+        for (Index j = 0; j < key_len; ++j) {
+          mask[b][h].matrix()(i, j) =
+              mask_mod(b, h, i, j) ? 0.0F : -std::numeric_limits<float>::infinity();
+        }
+      }
+    }
+  }
+  reference.mask = mha::Mask<float>::additive(mask);
+  const auto block_mask =
+      mha::create_block_mask(mask_mod, batch, heads, query_len, key_len, query_block, key_block);
+  const auto compare = [&](const auto& score_mod) {
+    const auto expected = mha::scaled_dot_product_attention(q, k, v, reference);
+    const auto result = mha::flex_attention(q, k, v, score_mod, block_mask, options);
+    check_finite(result.output, "flex_attention output");
+    kernels_agree(expected.output, result.output, "flex_attention against its dense mask");
+    const auto expected_grads = mha::scaled_dot_product_attention_backward(
+        q.view(), k.view(), v.view(), expected, grad_out.view(), reference);
+    const auto grads =
+        mha::flex_attention_backward(q, k, v, result, grad_out, score_mod, block_mask, options);
+    kernels_agree(expected_grads.query, grads.query, "flex_attention's query gradient");
+    kernels_agree(expected_grads.key, grads.key, "flex_attention's key gradient");
+    kernels_agree(expected_grads.value, grads.value, "flex_attention's value gradient");
+  };
+  switch (choices.in(0, 2)) {
+    case 1: {
+      reference.alibi_slopes = mha::alibi_slopes<float>(heads);
+      compare(mha::mods::Alibi<float>{reference.alibi_slopes, 0});
+      break;
+    }
+    case 2: {
+      const float cap = static_cast<float>(choices.in(1, 40)) / 4.0F;
+      reference.softcap = cap;
+      compare(mha::mods::Softcap<float>{cap});
+      break;
+    }
+    default:
+      compare(mha::no_score_mod);
+  }
+  tally.count(9);
+}
+
 template <class T>
 void run_case(const Case& c, Choices& choices) {
   mha::MultiHeadAttentionConfig config(c.embed, c.heads);
@@ -679,6 +795,9 @@ void run_case(const Case& c, Choices& choices) {
   }
   if (choices.flag()) check_cross_attention(layer, c, query, key);
   if (choices.flag()) check_streaming(layer, c, choices, query, options);
+  if constexpr (std::is_same_v<T, float>) {
+    if (choices.flag()) check_flex(c, choices, random);
+  }
 }
 
 }  // namespace

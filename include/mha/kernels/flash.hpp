@@ -25,6 +25,7 @@
 #include "mha/kernels/convert.hpp"
 #include "mha/kernels/flash_bf16.hpp"
 #include "mha/kernels/flash_small_head.hpp"
+#include "mha/kernels/flex_tile.hpp"
 #include "mha/softmax.hpp"
 
 namespace mha::detail {
@@ -68,11 +69,13 @@ constexpr Index kPanelsMinQueries = 16;
 // The kernel dispatches on it and the tests assert which path their cases reach.
 enum class FlashPath { tiles, small_head, panels, bf16_panels };
 
+// User mods (flex) take the tiles or the panels: the small-head kernel keeps its scores in
+// registers, where no mod can reach them.
 template <class T, class Stored = T>
 FlashPath flash_path(Index head_dim, Index value_dim, Index query_len,
-                     const CoreOptions<T>& options, const FlashBlocks& blocks) {
+                     const CoreOptions<T>& options, const FlashBlocks& blocks, bool flex = false) {
   if constexpr (std::is_same_v<T, float> && std::is_same_v<Stored, T>) {
-    if (blocks.small_heads && Eigen::internal::packet_traits<float>::Vectorizable &&
+    if (!flex && blocks.small_heads && Eigen::internal::packet_traits<float>::Vectorizable &&
         head_dim == value_dim && small_head_kernel_exists(head_dim) &&
         query_len >= kSmallHeadMinQueries && options.softcap == T(0) && !options.dropout.active()) {
       return FlashPath::small_head;
@@ -164,6 +167,51 @@ auto rows_as(const Head& head, Index j0, Index count, Matrix<T>& tile) {
   }
 }
 
+// The key blocks of at most `block` keys that queries [first_row, last_row] of head (b, h) visit:
+// for_each_key_block's (causal masking, the window, the pattern), and with a user's block mask
+// (flex) only the runs of its key blocks that it does not hide wholly from those rows, so that a
+// band or a document is visited at the block mask's granularity (64 keys) rather than in aligned
+// runs of `block`.
+template <class T, class Flex, class Visit>
+void for_each_visible_key_block(const CoreOptions<T>& options, const Flex& flex, Index b, Index h,
+                                Index key_len, Index query_len, Index first_row, Index last_row,
+                                Index block, Visit&& visit) {
+  if constexpr (Flex::kActive) {
+    if (flex.block_mask != nullptr) {
+      const Index unit = flex.block_mask->key_block(), rows = last_row - first_row + 1;
+      Index run_begin = 0, run_end = 0;
+      const auto flush = [&] {
+        for (Index j0 = run_begin; j0 < run_end; j0 += block) {
+          visit(j0, std::min(block, run_end - j0));
+        }
+        run_begin = run_end = 0;
+      };
+      for_each_key_block(
+          options, h, key_len, query_len, first_row, last_row, block, [&](Index j0, Index cols) {
+            if (j0 >= options.causal_cols) {  // bias_k, zero attention
+              flush();
+              visit(j0, cols);
+              return;
+            }
+            for (Index c0 = j0, c1 = 0; c0 < j0 + cols; c0 = c1) {
+              c1 = std::min(j0 + cols, (c0 / unit + 1) * unit);
+              if (flex.cover(b, h, first_row, rows, c0, c1 - c0) == BlockCover::empty) {
+                continue;
+              }
+              if (c0 != run_end || run_end - run_begin + (c1 - c0) > block) {
+                flush();
+                run_begin = c0;
+              }
+              run_end = c1;
+            }
+          });
+      flush();
+      return;
+    }
+  }
+  for_each_key_block(options, h, key_len, query_len, first_row, last_row, block, visit);
+}
+
 // q is (B, H, L, D), k is (B, H, S', D), v is (B, H, S', Dv), out is (B, H, L, Dv), as head
 // layouts. The first options.causal_cols keys are the input keys, subject to masks and causal
 // masking; the rest (bias_k, zero attention) are visible to every query. logsumexp is null or a
@@ -172,13 +220,17 @@ auto rows_as(const Head& head, Index j0, Index count, Matrix<T>& tile) {
 // Keys and values may be stored in a 16-bit type (Stored, a half or bfloat16 KV cache): each key
 // block is then converted to T as it is visited, into the thread's key_tile and value_tile, so
 // the cache is read once at 2 bytes an element and never copied whole.
-template <class T, class Stored = T>
+//
+// flex holds a user's score_mod and block mask (kernels/flex_tile.hpp): a tile its block mask
+// hides is skipped before its product; the mods apply to the input keys' scores after the
+// built-in masks and biases, before the softmax.
+template <class T, class Stored = T, class Flex = NoFlex>
 void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
                      const HeadLayout<const Stored>& k, const HeadLayout<const Stored>& v,
                      const HeadLayout<T>& out, const CoreOptions<T>& options,
                      std::vector<KernelScratch<T>>& scratch, T* logsumexp = nullptr,
-                     const FlashBlocks& blocks = {}) {
-  if constexpr (std::is_same_v<T, float> && std::is_same_v<Stored, T>) {
+                     const FlashBlocks& blocks = {}, const Flex& flex = {}) {
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<Stored, T> && !Flex::kActive) {
     if (flash_path<T, Stored>(q.cols, v.cols, q.rows, options, blocks) == FlashPath::small_head) {
       const auto run = [&](auto head_dim) {
         attention_flash_small_head<decltype(head_dim)::value>(batch, heads, q, k, v, out, options,
@@ -209,7 +261,8 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
   // Tiles from packed panels (see FlashPath): each thread packs a head's keys and values once for
   // all the query blocks it takes of it.
   constexpr bool kFloat = std::is_same_v<T, float> && std::is_same_v<Stored, float>;
-  const FlashPath path = flash_path<T, Stored>(q.cols, value_dim, query_len, options, blocks);
+  const FlashPath path =
+      flash_path<T, Stored>(q.cols, value_dim, query_len, options, blocks, Flex::kActive);
   const bool bf16 = path == FlashPath::bf16_panels;
   const bool panels = path == FlashPath::panels || bf16;
 
@@ -222,6 +275,7 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
     mine.panels.forget();
     mine.scores.resize(blocks.query, blocks.key);
     if (options.softcap > T(0)) mine.capped.resize(blocks.query, blocks.key);
+    if (Flex::kScoreMod && any_mask) mine.flex_masks.resize(blocks.query, blocks.key);
     mine.acc.resize(blocks.query, value_dim);
     mine.row_max.resize(blocks.query);
     mine.row_sum.resize(blocks.query);
@@ -268,18 +322,35 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
 
       const auto process = [&](Index j0, Index cols) {
         auto s = tile.topLeftCorner(rows, cols);
+        [[maybe_unused]] BlockCover cover = BlockCover::full;
+        if constexpr (Flex::kActive) {
+          if (j0 < masked_keys) cover = flex.cover(b, h, i0, rows, j0, cols);
+          if (cover == BlockCover::empty) return;
+        }
         // pass 1: masks first, so a block they hide wholly costs no GEMM
         const bool masked_tile = any_mask && j0 < masked_keys;
+        // Whether the tile may hold -inf: a mod may block pairs (or return -inf itself).
+        bool blocked_pairs = masked_tile;
+        // A score_mod sees the scores alone: the masks wait apart and are added after it.
+        const bool masks_apart = Flex::kScoreMod && masked_tile;
+        auto mask_tile =
+            mine.flex_masks.topLeftCorner(masks_apart ? rows : 0, masks_apart ? cols : 0);
         if (masked_tile) {
-          options.masks(b, h, query_len, i0, j0, s);
-          if ((s.array() == kNegInf).all()) return;
-        } else if (!panels) {
-          s.setZero();
+          if (masks_apart) {
+            options.masks(b, h, query_len, i0, j0, mask_tile);
+            if ((mask_tile.array() == kNegInf).all()) return;
+          } else {
+            options.masks(b, h, query_len, i0, j0, s);
+            if ((s.array() == kNegInf).all()) return;
+          }
         }
+        // Whether the product adds to the masks in s or overwrites s.
+        const bool onto_masks = masked_tile && !masks_apart;
+        if (!onto_masks && !panels) s.setZero();
         if constexpr (kFloat) {
           if (bf16) {
-            bf16_scores(mine.panels, bf16_queries, rows, k_bh, j0, cols, options.scale,
-                        !masked_tile, s.data(), tile.outerStride());
+            bf16_scores(mine.panels, bf16_queries, rows, k_bh, j0, cols, options.scale, !onto_masks,
+                        s.data(), tile.outerStride());
           } else if (panels) {
             // s = (masks +) scale q kᵀ, the keys' panels from the packed head where the block
             // starts at one of its panels.
@@ -288,13 +359,21 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
             const LeftOperand queries{q_bh.data() + i0 * q_bh.outerStride(), q_bh.outerStride(),
                                       false};
             multiply_panels(rows, cols, k.cols, queries, keys, k.cols * PackedGemmShape::kNr,
-                            options.scale, !masked_tile, s.data(), tile.outerStride(),
+                            options.scale, !onto_masks, s.data(), tile.outerStride(),
                             packed_gemm_buffers().edge);
           }
         }
         if (!panels) {
           options.add_scores(s, q_bh.middleRows(i0, rows),
                              rows_as<T>(k_bh, j0, cols, mine.key_tile), mine.capped);
+        }
+        if constexpr (Flex::kActive) {
+          if (j0 < masked_keys) {
+            flex.modify_scores(b, h, i0, j0, s);
+            if (masks_apart) s += mask_tile;
+            flex.mask(b, h, i0, j0, cover, s);
+            blocked_pairs = blocked_pairs || flex.may_block(cover);
+          }
         }
         // pass 2: online softmax, one row at a time
         for (Index r = 0; r < rows; ++r) {
@@ -326,7 +405,7 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
               continue;
             }
           }
-          if (masked_tile) {
+          if (blocked_pairs) {
             row_sum(r) += exp_shifted_inplace(score_row, row_max(r), exps);
           } else {
             // No -inf in an unmasked tile: exp in place, two passes instead of five.
@@ -356,7 +435,8 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
                         const_strided(rows_as<T>(v_bh, j0, cols, mine.value_tile)),
                         Operand::as_stored, Accumulate::yes);
       };
-      for_each_key_block(options, h, key_len, query_len, i0, i0 + rows - 1, blocks.key, process);
+      for_each_visible_key_block(options, flex, b, h, key_len, query_len, i0, i0 + rows - 1,
+                                 blocks.key, process);
 
       // One division per row at the end; a row with no visible key stays 0. A NaN sum (from a
       // NaN score) divides, so that the NaN reaches the output as the reference kernel's does.
@@ -405,14 +485,17 @@ Index backward_query_chunk(Index head_dim, Index value_dim, Index query_block) {
          query_block;
 }
 
-template <class T>
+//
+// With user mods (flex, as the forward's), the score_mod is called with Dual numbers to give each
+// score's derivative, by which dS is multiplied on its way to dQ and dK.
+template <class T, class Flex = NoFlex>
 void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T>& q,
                               const HeadLayout<const T>& k, const HeadLayout<const T>& v,
                               const HeadLayout<const T>& out, const HeadLayout<const T>& grad_out,
                               const T* logsumexp, const HeadLayout<T>& grad_q,
                               const HeadLayout<T>& grad_k, const HeadLayout<T>& grad_v,
                               const CoreOptions<T>& options, std::vector<KernelScratch<T>>& scratch,
-                              const FlashBlocks& blocks = kBackwardBlocks) {
+                              const FlashBlocks& blocks = kBackwardBlocks, const Flex& flex = {}) {
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
   const Index query_len = q.rows, key_len = k.rows;
   const Index masked_keys = options.causal_cols;
@@ -436,6 +519,8 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
     mine.scores.resize(blocks.query, blocks.key);
     mine.grad_scores.resize(blocks.query, blocks.key);
     if (options.softcap > T(0)) mine.capped.resize(blocks.query, blocks.key);
+    if (Flex::kScoreMod) mine.mod_derivatives.resize(blocks.query, blocks.key);
+    if (Flex::kScoreMod && any_mask) mine.flex_masks.resize(blocks.query, blocks.key);
     mine.acc.resize(blocks.query, blocks.key);  // the dropped-out tile Pd
     mine.exps.resize(blocks.key);
     mine.row_dot.resize(query_len);
@@ -468,13 +553,24 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
             if (masked_tile && !options.may_see(h, query_len, i0, i0 + rows - 1, j0, j0 + cols)) {
               continue;  // causal masking, the window or the pattern hides this block
             }
-            auto probs = mine.scores.topLeftCorner(rows, cols);
-            if (masked_tile) {
-              options.masks(b, h, query_len, i0, j0, probs);
-              if ((probs.array() == kNegInf).all()) continue;
-            } else if (!panels) {
-              probs.setZero();
+            const bool flex_tile = Flex::kActive && j0 < masked_keys;
+            [[maybe_unused]] BlockCover cover = BlockCover::full;
+            if constexpr (Flex::kActive) {
+              if (flex_tile) cover = flex.cover(b, h, i0, rows, j0, cols);
+              if (cover == BlockCover::empty) continue;
             }
+            auto probs = mine.scores.topLeftCorner(rows, cols);
+            // As the forward: a score_mod sees the scores alone, the masks are added after it.
+            const bool masks_apart = Flex::kScoreMod && masked_tile;
+            auto mask_tile =
+                mine.flex_masks.topLeftCorner(masks_apart ? rows : 0, masks_apart ? cols : 0);
+            if (masked_tile) {
+              auto& masks = masks_apart ? mask_tile : probs;
+              options.masks(b, h, query_len, i0, j0, masks);
+              if ((masks.array() == kNegInf).all()) continue;
+            }
+            const bool onto_masks = masked_tile && !masks_apart;
+            if (!onto_masks && !panels) probs.setZero();
             const auto q_blk = q_bh.middleRows(i0, rows);
             const auto grad_out_blk = grad_out_bh.middleRows(i0, rows);
             auto grad_scores = mine.grad_scores.topLeftCorner(rows, cols);
@@ -487,7 +583,7 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
               if (bf16) {
                 bf16_rows_of(q_blk.data(), rows, k.cols, q_blk.outerStride(), packed.bf16_queries);
                 bf16_scores(packed, packed.bf16_queries.data(), rows, k_bh, j0, cols, options.scale,
-                            !masked_tile, probs.data(), probs_ld);
+                            !onto_masks, probs.data(), probs_ld);
                 bf16_rows_of(grad_out_blk.data(), rows, v.cols, grad_out_blk.outerStride(),
                              packed.bf16_grad_out);
                 bf16_product_transposed(packed.bf16_values_transposed, packed.bf16_block_transposed,
@@ -498,7 +594,7 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
                     mine.panels.keys, mine.panels.block_keys, k_bh, j0, cols);
                 multiply_panels(
                     rows, cols, k.cols, LeftOperand{q_blk.data(), q_blk.outerStride(), false}, keys,
-                    k.cols * nr, options.scale, !masked_tile, probs.data(), probs_ld, edge);
+                    k.cols * nr, options.scale, !onto_masks, probs.data(), probs_ld, edge);
                 const float* values = FlashPanels::transposed_block(
                     mine.panels.values_transposed, mine.panels.block_values, v_bh, j0, cols);
                 multiply_panels(rows, cols, v.cols,
@@ -511,12 +607,22 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
               tile_product<T>(strided(grad_scores), const_strided(grad_out_blk), Operand::as_stored,
                               const_strided(v_blk), Operand::transposed, Accumulate::no);
             }
+            [[maybe_unused]] auto mod_derivatives = mine.mod_derivatives.topLeftCorner(rows, cols);
+            if constexpr (Flex::kActive) {
+              if (flex_tile) {
+                if constexpr (Flex::kScoreMod) {
+                  flex.differentiate_scores(b, h, i0, j0, probs, mod_derivatives);
+                }
+                if (masks_apart) probs += mask_tile;
+                flex.mask(b, h, i0, j0, cover, probs);
+              }
+            }
             // P = exp(S - lse), exactly 0 where blocked and in rows that saw no key
             for (Index r = 0; r < rows; ++r) {
               auto row = probs.row(r);
               if (lse[i0 + r] == kNegInf) {
                 row.setZero();
-              } else if (masked_tile) {
+              } else if (masked_tile || (flex_tile && flex.may_block(cover))) {
                 exp_shifted_inplace(row, lse[i0 + r], mine.exps);
               } else {
                 row.array() = (row.array() - lse[i0 + r]).exp();
@@ -555,6 +661,9 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
             grad_scores.array() = probs.array() * (grad_scores.array().colwise() -
                                                    mine.row_dot.segment(i0, rows).array());
             options.softcap_backward(grad_scores, mine.capped);
+            if constexpr (Flex::kScoreMod) {
+              if (flex_tile) grad_scores.array() *= mod_derivatives.array();
+            }
             // dQ += scale dS k; dK += scale dSᵀ q.
             auto grad_q_blk = grad_q_bh.middleRows(i0, rows);
             if constexpr (kFloat) {
@@ -608,19 +717,19 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
   PREFIX template void attention_flash<T, T>(                                             \
       Index, Index, const HeadLayout<const T>&, const HeadLayout<const T>&,               \
       const HeadLayout<const T>&, const HeadLayout<T>&, const CoreOptions<T>&,            \
-      std::vector<KernelScratch<T>>&, T*, const FlashBlocks&);                            \
+      std::vector<KernelScratch<T>>&, T*, const FlashBlocks&, const NoFlex&);             \
   PREFIX template void attention_flash_backward<T>(                                       \
       Index, Index, const HeadLayout<const T>&, const HeadLayout<const T>&,               \
       const HeadLayout<const T>&, const HeadLayout<const T>&, const HeadLayout<const T>&, \
       const T*, const HeadLayout<T>&, const HeadLayout<T>&, const HeadLayout<T>&,         \
-      const CoreOptions<T>&, std::vector<KernelScratch<T>>&, const FlashBlocks&);
+      const CoreOptions<T>&, std::vector<KernelScratch<T>>&, const FlashBlocks&, const NoFlex&);
 // NOLINTEND(bugprone-macro-parentheses)
 // NOLINTBEGIN(bugprone-macro-parentheses): the arguments are a type and a keyword
 #define MHA_STORED_FLASH_KERNEL_TEMPLATES(PREFIX, Stored)                                   \
   PREFIX template void attention_flash<float, Stored>(                                      \
       Index, Index, const HeadLayout<const float>&, const HeadLayout<const Stored>&,        \
       const HeadLayout<const Stored>&, const HeadLayout<float>&, const CoreOptions<float>&, \
-      std::vector<KernelScratch<float>>&, float*, const FlashBlocks&);
+      std::vector<KernelScratch<float>>&, float*, const FlashBlocks&, const NoFlex&);
 // NOLINTEND(bugprone-macro-parentheses)
 MHA_EXTERN_TEMPLATES(MHA_COMPUTE_TYPES, MHA_FLASH_KERNEL_TEMPLATES)
 MHA_EXTERN_TEMPLATES(MHA_STORED_16BIT_TYPES, MHA_STORED_FLASH_KERNEL_TEMPLATES)

@@ -1,0 +1,452 @@
+// flex_attention (flex.hpp) and the mods of mods.hpp: every provided mask_mod against its mask
+// written out densely (each by its definition, not by calling the mod) and run through
+// scaled_dot_product_attention's reference kernel in float64, forward and backward; score_mods
+// against the built-in options they re-express and a user's score_mod against finite
+// differences; block masks against a brute-force evaluation, the blocks the kernel skips, and
+// the refusals.
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <functional>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "helpers.hpp"
+#include "mha/flex.hpp"
+#include "mha/mods.hpp"
+
+using mha::Index;
+using mha::Tensor;
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Sizes that span several of the flash kernel's tiles (96 queries × 256 keys forward, 96 × 192
+// backward) and several block-mask blocks, with tiles cut short at the ends.
+struct Shape4 {
+  Index batch = 2, heads = 3, query_len = 300, key_len = 300, head_dim = 16;
+};
+
+template <class T>
+struct Inputs {
+  Tensor<T> q, k, v, grad_out;
+  Inputs(const Shape4& s, std::uint64_t seed)
+      : q(mha_test::random_tensor<T>({s.batch, s.heads, s.query_len, s.head_dim}, seed)),
+        k(mha_test::random_tensor<T>({s.batch, s.heads, s.key_len, s.head_dim}, seed + 1)),
+        v(mha_test::random_tensor<T>({s.batch, s.heads, s.key_len, s.head_dim}, seed + 2)),
+        grad_out(
+            mha_test::random_tensor<T>({s.batch, s.heads, s.query_len, s.head_dim}, seed + 3)) {}
+};
+
+// visible(b, h, i, j) written out as an additive [B, H, L, S] mask: 0 or -inf.
+Tensor<double> dense_mask(const Shape4& s,
+                          const std::function<bool(Index, Index, Index, Index)>& visible) {
+  Tensor<double> mask({s.batch, s.heads, s.query_len, s.key_len});
+  for (Index b = 0; b < s.batch; ++b) {
+    for (Index h = 0; h < s.heads; ++h) {
+      auto m = mask[b][h].matrix();
+      for (Index i = 0; i < s.query_len; ++i) {
+        for (Index j = 0; j < s.key_len; ++j) m(i, j) = visible(b, h, i, j) ? 0.0 : -kInf;
+      }
+    }
+  }
+  return mask;
+}
+
+// The float64 truth: the reference kernel with the written-out mask, and its backward.
+struct Truth {
+  mha::AttentionResult<double> forward;
+  mha::AttentionGradients<double> grads;
+};
+Truth truth(const Inputs<double>& in, mha::AttentionOptions<double> options) {
+  options.kernel = mha::Kernel::reference;
+  Truth t;
+  t.forward = mha::scaled_dot_product_attention(in.q, in.k, in.v, options);
+  t.grads = mha::scaled_dot_product_attention_backward(in.q.view(), in.k.view(), in.v.view(),
+                                                       t.forward, in.grad_out.view(), options);
+  return t;
+}
+
+// flex_attention and its backward, in T, against the truth.
+template <class T, class ScoreMod, class MaskMod>
+void check_against(const Shape4& s, const Inputs<double>& in, const Truth& t,
+                   const ScoreMod& score_mod, const mha::BlockMask<MaskMod>& block_mask,
+                   const mha::AttentionOptions<T>& options = {}) {
+  const auto q = mha::tensor_cast<T>(in.q), k = mha::tensor_cast<T>(in.k),
+             v = mha::tensor_cast<T>(in.v), grad_out = mha::tensor_cast<T>(in.grad_out);
+  const auto result = mha::flex_attention(q, k, v, score_mod, block_mask, options);
+  CHECK_TENSORS_CLOSE(result.output, t.forward.output);
+  const auto grads =
+      mha::flex_attention_backward(q, k, v, result, grad_out, score_mod, block_mask, options);
+  CHECK(mha_test::compare_gradients(grads.query, t.grads.query).ok);
+  CHECK(mha_test::compare_gradients(grads.key, t.grads.key).ok);
+  CHECK(mha_test::compare_gradients(grads.value, t.grads.value).ok);
+  (void)s;
+}
+
+// A mask_mod against its written-out mask, in double and float, with block masks of the
+// default blocks and of small ones (more partial and empty blocks).
+template <class MaskMod>
+void check_mask(const std::string& name, const Shape4& s, const MaskMod& mask_mod,
+                const std::function<bool(Index, Index, Index, Index)>& visible,
+                std::uint64_t seed) {
+  INFO(name);
+  const Inputs<double> in(s, seed);
+  mha::AttentionOptions<double> reference_options;
+  reference_options.mask = mha::Mask<double>::additive(dense_mask(s, visible));
+  const Truth t = truth(in, reference_options);
+  for (const Index query_block : {Index{32}, Index{8}}) {
+    const Index key_block = 2 * query_block;
+    INFO("block mask of " << query_block << " x " << key_block);
+    const auto block_mask = mha::create_block_mask(mask_mod, s.batch, 1, s.query_len, s.key_len,
+                                                   query_block, key_block);
+    check_against<double>(s, in, t, mha::no_score_mod, block_mask);
+    check_against<float>(s, in, t, mha::no_score_mod, block_mask);
+  }
+}
+
+Index floor_div(Index a, Index d) {
+  return a >= 0 ? a / d : -((-a + d - 1) / d);
+}
+
+}  // namespace
+
+TEST_CASE("flex: each provided mask_mod equals its written-out mask, forward and backward",
+          "[flex][mods]") {
+  Shape4 s;
+  check_mask(
+      "causal, top-left", s, mha::mods::causal(),
+      [](Index, Index, Index i, Index j) { return j <= i; }, 1);
+  Shape4 wide = s;
+  wide.query_len = 200;
+  check_mask(
+      "causal, bottom-right", wide,
+      mha::mods::causal(mha::Alignment::bottom_right, wide.query_len, wide.key_len),
+      [](Index, Index, Index i, Index j) { return j <= i + 100; }, 2);
+  check_mask(
+      "sliding window of 21, causal", s, mha::mods::SlidingWindow{20, 0, 0},
+      [](Index, Index, Index i, Index j) { return j <= i && i - j <= 20; }, 3);
+  check_mask(
+      "window 7 left, 5 right", s, mha::mods::SlidingWindow{7, 5, 0},
+      [](Index, Index, Index i, Index j) { return j - i <= 5 && i - j <= 7; }, 4);
+  check_mask(
+      "causal chunks of 64", s, mha::mods::mask_and(mha::mods::Chunked{64, 0}, mha::mods::causal()),
+      [](Index, Index, Index i, Index j) { return j <= i && i / 64 == j / 64; }, 5);
+  check_mask(
+      "chunks of 50, bottom-right", wide, mha::mods::Chunked{50, 100},
+      [](Index, Index, Index i, Index j) { return floor_div(i + 100, 50) == floor_div(j, 50); }, 6);
+  check_mask(
+      "dilated, reach 40, dilation 3", s, mha::mods::Dilated{40, 3, 0},
+      [](Index, Index, Index i, Index j) { return std::abs(i - j) <= 40 && (i - j) % 3 == 0; }, 7);
+  check_mask(
+      "prefix-LM, prefix 50", s, mha::mods::PrefixLm{50, 0},
+      [](Index, Index, Index i, Index j) { return j < 50 || j <= i; }, 8);
+  const std::vector<Index> cu_seqlens{0, 37, 150, 151, 300};
+  const auto document_of = [&](Index position) {
+    Index d = 0;
+    while (cu_seqlens[static_cast<std::size_t>(d + 1)] <= position) ++d;
+    return d;
+  };
+  check_mask(
+      "causal documents", s,
+      mha::mods::mask_and(mha::mods::document(cu_seqlens), mha::mods::causal()),
+      [&](Index, Index, Index i, Index j) { return j <= i && document_of(i) == document_of(j); },
+      9);
+  // NATTEN on a 15 x 20 grid with a 5 x 7 kernel: the window is the run of kernel rows (columns)
+  // containing the query whose middle is nearest to it, which at the edges is the first or last.
+  const Index grid_height = 15, grid_width = 20;
+  const auto window_contains = [](Index query, Index key, Index kernel, Index extent) {
+    Index best_start = 0;
+    for (Index start = 0; start + kernel <= extent; ++start) {
+      if (std::abs(start + kernel / 2 - query) < std::abs(best_start + kernel / 2 - query)) {
+        best_start = start;
+      }
+    }
+    return key >= best_start && key < best_start + kernel;
+  };
+  check_mask(
+      "2D neighbourhood 5 x 7 on 15 x 20", s,
+      mha::mods::neighbourhood_2d(grid_height, grid_width, 5, 7),
+      [&](Index, Index, Index i, Index j) {
+        return window_contains(i / grid_width, j / grid_width, 5, grid_height) &&
+               window_contains(i % grid_width, j % grid_width, 7, grid_width);
+      },
+      10);
+  check_mask(
+      "Sparse Transformer: causal, local 16 or strided 16", s,
+      mha::mods::mask_and(
+          mha::mods::causal(),
+          mha::mods::mask_or(mha::mods::SlidingWindow{15, 0, 0}, mha::mods::Strided{16, 0})),
+      [](Index, Index, Index i, Index j) { return j <= i && (i - j < 16 || (i - j) % 16 == 0); },
+      11);
+}
+
+TEST_CASE("flex: a mask_mod may read b and h (built per batch element and head)", "[flex]") {
+  Shape4 s;
+  s.query_len = 130;
+  s.key_len = 270;
+  const std::vector<Index> lengths{270, 101};  // key padding per batch element
+  const auto mask_mod = [lengths](Index b, Index h, Index i, Index j) {
+    return j < lengths[static_cast<std::size_t>(b)] && (h != 1 || j <= i);
+  };
+  const Inputs<double> in(s, 21);
+  mha::AttentionOptions<double> reference_options;
+  reference_options.mask = mha::Mask<double>::additive(dense_mask(s, mask_mod));
+  const Truth t = truth(in, reference_options);
+  const auto block_mask =
+      mha::create_block_mask(mask_mod, s.batch, s.heads, s.query_len, s.key_len);
+  check_against<double>(s, in, t, mha::no_score_mod, block_mask);
+  check_against<float>(s, in, t, mha::no_score_mod, block_mask);
+}
+
+TEST_CASE("flex: score_mods equal the built-in options they re-express", "[flex][mods]") {
+  Shape4 s;
+  const Inputs<double> in(s, 31);
+  const auto slopes = mha::alibi_slopes<double>(s.heads);
+  SECTION("ALiBi, causal, top-left and bottom-right") {
+    for (const auto alignment : {mha::Alignment::top_left, mha::Alignment::bottom_right}) {
+      Shape4 shape = s;
+      if (alignment == mha::Alignment::bottom_right) shape.query_len = 200;
+      const Inputs<double> inputs(shape, 32);
+      mha::AttentionOptions<double> builtin;
+      builtin.causal =
+          alignment == mha::Alignment::top_left ? mha::Causal::top_left : mha::Causal::bottom_right;
+      builtin.alibi_slopes = slopes;
+      builtin.alibi_alignment = alignment;
+      const Truth t = truth(inputs, builtin);
+      const Index offset = mha::mods::aligned_offset(alignment, shape.query_len, shape.key_len);
+      const auto block_mask =
+          mha::create_block_mask(mha::mods::Causal{offset}, 1, 1, shape.query_len, shape.key_len);
+      check_against<double>(shape, inputs, t, mha::mods::Alibi<double>{slopes, offset}, block_mask);
+      check_against<float>(shape, inputs, t,
+                           mha::mods::Alibi<float>{{slopes.begin(), slopes.end()}, offset},
+                           block_mask);
+    }
+  }
+  SECTION("softcap with a sliding window") {
+    mha::AttentionOptions<double> builtin;
+    builtin.softcap = 0.7;
+    builtin.window = mha::Window{30, 30};
+    const Truth t = truth(in, builtin);
+    const auto block_mask =
+        mha::create_block_mask(mha::mods::SlidingWindow{30, 30, 0}, 1, 1, s.query_len, s.key_len);
+    check_against<double>(s, in, t, mha::mods::Softcap<double>{0.7}, block_mask);
+    check_against<float>(s, in, t, mha::mods::Softcap<float>{0.7F}, block_mask);
+  }
+  SECTION("a score_mod sees scale q kᵀ: halving it is half the scale, plus a bias") {
+    mha::AttentionOptions<double> builtin;
+    builtin.scale = 0.5 / std::sqrt(static_cast<double>(s.head_dim));
+    Tensor<double> bias({s.query_len, s.key_len});
+    for (Index i = 0; i < s.query_len; ++i) {
+      for (Index j = 0; j < s.key_len; ++j) bias.matrix()(i, j) = i == j ? 1.0 : 0.0;
+    }
+    builtin.mask = mha::Mask<double>::additive(bias);
+    const Truth t = truth(in, builtin);
+    const auto halved = [](auto score, Index, Index, Index q_idx, Index kv_idx) {
+      return score * 0.5 + (q_idx == kv_idx ? 1.0 : 0.0);
+    };
+    const auto everything = mha::create_block_mask(mha::AllVisible{}, 1, 1, s.query_len, s.key_len);
+    check_against<double>(s, in, t, halved, everything);
+    const auto halved_float = [](auto score, Index, Index, Index q_idx, Index kv_idx) {
+      return score * 0.5F + (q_idx == kv_idx ? 1.0F : 0.0F);
+    };
+    check_against<float>(s, in, t, halved_float, everything);
+  }
+  SECTION("built-in options and mods combine: a built-in causal mask, a mod's ALiBi") {
+    mha::AttentionOptions<double> builtin;
+    builtin.causal = mha::Causal::top_left;
+    builtin.alibi_slopes = slopes;
+    const Truth t = truth(in, builtin);
+    mha::AttentionOptions<double> causal_only;
+    causal_only.causal = mha::Causal::top_left;
+    const auto r =
+        mha::flex_attention(in.q, in.k, in.v, mha::mods::Alibi<double>{slopes, 0}, causal_only);
+    CHECK_TENSORS_CLOSE(r.output, t.forward.output);
+  }
+}
+
+TEST_CASE("flex: a user's score_mod differentiates by Dual numbers: finite differences",
+          "[flex][backward]") {
+  Shape4 s;
+  s.batch = 1;
+  s.heads = 2;
+  s.query_len = 9;
+  s.key_len = 11;
+  s.head_dim = 4;
+  Inputs<double> in(s, 41);
+  // Nonlinear in the score, and reading every index.
+  const auto score_mod = [](auto score, Index b, Index h, Index q_idx, Index kv_idx) {
+    using std::tanh;
+    return score + 0.3 * tanh(score) * static_cast<double>(1 + h + b) -
+           0.05 * static_cast<double>(q_idx - kv_idx);
+  };
+  const auto block_mask =
+      mha::create_block_mask(mha::mods::Dilated{6, 2, 0}, 1, 1, s.query_len, s.key_len, 4, 4);
+  const auto loss = [&](const Inputs<double>& at) {
+    return mha::flex_attention(at.q, at.k, at.v, score_mod, block_mask)
+        .output.flat()
+        .dot(at.grad_out.flat());
+  };
+  const auto result = mha::flex_attention(in.q, in.k, in.v, score_mod, block_mask);
+  const auto grads =
+      mha::flex_attention_backward(in.q, in.k, in.v, result, in.grad_out, score_mod, block_mask);
+  constexpr double kStep = 1e-5;
+  const auto check_tensor = [&](Tensor<double>& at, const Tensor<double>& analytic) {
+    Tensor<double> expected(at.shape());
+    for (Index i = 0; i < at.size(); ++i) {
+      double& element = at.data()[i];
+      const double kept = element;
+      element = kept + kStep;
+      const double up = loss(in);
+      element = kept - kStep;
+      const double down = loss(in);
+      element = kept;
+      expected.data()[i] = (up - down) / (2 * kStep);
+    }
+    CHECK_TENSORS_CLOSE_TOL(analytic, expected, 1e-6, 1e-7);
+  };
+  check_tensor(in.q, grads.query);
+  check_tensor(in.k, grads.key);
+  check_tensor(in.v, grads.value);
+}
+
+TEST_CASE("flex: block masks equal a brute-force evaluation, broadcast and count", "[flex]") {
+  const Index query_len = 100, key_len = 150;
+  const auto mask_mod = [](Index b, Index h, Index i, Index j) { return j <= i + 10 * b + h; };
+  const auto block_mask = mha::create_block_mask(mask_mod, 2, 3, query_len, key_len, 16, 32);
+  Index counted[3] = {0, 0, 0};
+  for (Index b = 0; b < 2; ++b) {
+    for (Index h = 0; h < 3; ++h) {
+      for (Index qb = 0; qb * 16 < query_len; ++qb) {
+        for (Index kb = 0; kb * 32 < key_len; ++kb) {
+          Index visible = 0, pairs = 0;
+          for (Index i = qb * 16; i < std::min(query_len, qb * 16 + 16); ++i) {
+            for (Index j = kb * 32; j < std::min(key_len, kb * 32 + 32); ++j) {
+              visible += j <= i + 10 * b + h ? 1 : 0;
+              ++pairs;
+            }
+          }
+          const auto expected = visible == 0       ? mha::BlockCover::empty
+                                : visible == pairs ? mha::BlockCover::full
+                                                   : mha::BlockCover::partial;
+          CHECK(block_mask.block(b, h, qb, kb) == expected);
+          ++counted[static_cast<int>(expected)];
+        }
+      }
+    }
+  }
+  CHECK(block_mask.count(mha::BlockCover::empty) == counted[0]);
+  CHECK(block_mask.count(mha::BlockCover::partial) == counted[1]);
+  CHECK(block_mask.count(mha::BlockCover::full) == counted[2]);
+  CHECK(block_mask.memory_bytes() == 2 * 3 * 7 * 5);
+  // A broadcast mask answers for every batch element and head with its own.
+  const auto shared = mha::create_block_mask(mha::mods::causal(), 1, 1, query_len, key_len, 16, 32);
+  CHECK(shared.block(1, 2, 3, 0) == shared.block(0, 0, 3, 0));
+  CHECK(shared.memory_bytes() == 7 * 5);
+}
+
+TEST_CASE("flex: the kernel visits only the key blocks a band needs, and masks partial blocks only",
+          "[flex]") {
+  Shape4 s;
+  s.batch = 1;
+  s.heads = 1;
+  s.query_len = 700;
+  s.key_len = 700;
+  const Inputs<float> in(s, 51);
+  std::atomic<long> mask_calls{0}, score_calls{0};
+  const auto mask_mod = [&mask_calls](Index, Index, Index i, Index j) {
+    ++mask_calls;
+    return j <= i && i - j < 100;
+  };
+  const auto score_mod = [&score_calls](auto score, Index, Index, Index, Index) {
+    ++score_calls;
+    return score;
+  };
+  const auto block_mask = mha::create_block_mask(mask_mod, 1, 1, s.query_len, s.key_len);
+  mask_calls = 0;
+  mha::flex_attention(in.q, in.k, in.v, score_mod, block_mask);
+  // The forward visits, for each block of 96 queries (detail::FlashBlocks), the runs of the
+  // block mask's 64-key blocks that some of its rows see. Written out from the band itself:
+  // whether a query range sees a key range at all, and whether some but not all of its pairs.
+  const auto in_band = [](Index i, Index j) { return j <= i && i - j < 100; };
+  const auto pairs_seen = [&](Index i0, Index i1, Index j0, Index j1) {
+    Index seen = 0;
+    for (Index i = i0; i < i1; ++i) {
+      for (Index j = j0; j < j1; ++j) seen += in_band(i, j) ? 1 : 0;
+    }
+    return seen;
+  };
+  const mha::detail::FlashBlocks tiles;
+  long expected_mask_calls = 0, expected_score_calls = 0, visited_pairs = 0;
+  for (Index i0 = 0; i0 < s.query_len; i0 += tiles.query) {
+    const Index i1 = std::min(s.query_len, i0 + tiles.query);
+    for (Index j0 = 0; j0 < s.key_len; j0 += 64) {
+      const Index j1 = std::min(s.key_len, j0 + 64);
+      if (pairs_seen(i0, i1, j0, j1) == 0) continue;  // never visited
+      expected_score_calls += (i1 - i0) * (j1 - j0);
+      visited_pairs += (i1 - i0) * (j1 - j0);
+      // The mask_mod runs in the 32-query blocks of it that see some but not all of their keys.
+      for (Index r0 = i0; r0 < i1; r0 += 32) {
+        const Index r1 = std::min(i1, r0 + 32), seen = pairs_seen(r0, r1, j0, j1);
+        if (seen > 0 && seen < (r1 - r0) * (j1 - j0)) expected_mask_calls += (r1 - r0) * (j1 - j0);
+      }
+    }
+  }
+  CHECK(mask_calls == expected_mask_calls);
+  CHECK(score_calls == expected_score_calls);  // every pair visited, hidden or not
+  CHECK(visited_pairs < s.query_len * (100 + tiles.query + 2 * 64));  // the band, not L x S
+}
+
+TEST_CASE("flex: grouped-query attention and sinks pass through", "[flex][gqa]") {
+  const Index batch = 2, heads = 4, kv_heads = 2, length = 200, head_dim = 8;
+  const auto q = mha_test::random_tensor<double>({batch, heads, length, head_dim}, 61);
+  const auto k = mha_test::random_tensor<double>({batch, kv_heads, length, head_dim}, 62);
+  const auto v = mha_test::random_tensor<double>({batch, kv_heads, length, head_dim}, 63);
+  mha::AttentionOptions<double> options;
+  options.enable_gqa = true;
+  options.sinks = {0.5, -1.0, 2.0, 0.0};
+  auto builtin = options;
+  builtin.window = mha::Window{40, 0};
+  const auto expected = mha::scaled_dot_product_attention(q, k, v, builtin);
+  const auto block_mask =
+      mha::create_block_mask(mha::mods::SlidingWindow{40, 0, 0}, 1, 1, length, length);
+  const auto result = mha::flex_attention(q, k, v, mha::no_score_mod, block_mask, options);
+  CHECK_TENSORS_CLOSE(result.output, expected.output);
+}
+
+TEST_CASE("flex: refusals name the argument", "[flex][errors]") {
+  const auto q = mha_test::random_tensor<float>({2, 4, 10, 8}, 71);
+  const auto block_mask = mha::create_block_mask(mha::mods::causal(), 1, 1, 10, 12);
+  const auto wrong_shape = mha_test::message_of<mha::ShapeError>(
+      [&] { mha::flex_attention(q, q, q, mha::no_score_mod, block_mask); });
+  CHECK(mha_test::contains(wrong_shape, "block_mask"));
+  CHECK(mha_test::contains(wrong_shape, "[1, 1, 10, 12]"));
+  const auto per_head = mha::create_block_mask(mha::mods::causal(), 1, 3, 10, 10);
+  CHECK(mha_test::contains(mha_test::message_of<mha::ShapeError>(
+                               [&] { mha::flex_attention(q, q, q, mha::no_score_mod, per_head); }),
+                           "block_mask"));
+  mha::AttentionOptions<float> weights;
+  weights.need_weights = true;
+  CHECK(mha_test::contains(mha_test::message_of<std::invalid_argument>(
+                               [&] { mha::flex_attention(q, q, q, mha::no_score_mod, weights); }),
+                           "need_weights"));
+  mha::AttentionOptions<float> reference;
+  reference.kernel = mha::Kernel::reference;
+  CHECK(mha_test::contains(mha_test::message_of<std::invalid_argument>(
+                               [&] { mha::flex_attention(q, q, q, mha::no_score_mod, reference); }),
+                           "options.kernel"));
+  CHECK(mha_test::contains(mha_test::message_of<std::invalid_argument>([] {
+                             mha::create_block_mask(mha::mods::causal(), 1, 1, 10, 10, 0, 16);
+                           }),
+                           "query_block"));
+  CHECK(mha_test::contains(
+      mha_test::message_of<std::invalid_argument>([] { mha::mods::neighbourhood_2d(4, 4, 5, 3); }),
+      "kernel_height"));
+  CHECK(mha_test::contains(mha_test::message_of<std::invalid_argument>([] {
+                             mha::mods::document({0, 5, 3});
+                           }),
+                           "cu_seqlens"));
+}
