@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <functional>
 #include <limits>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -293,19 +294,8 @@ TEST_CASE("flex: a user's score_mod differentiates by Dual numbers: finite diffe
   const auto result = mha::flex_attention(in.q, in.k, in.v, score_mod, block_mask);
   const auto grads =
       mha::flex_attention_backward(in.q, in.k, in.v, result, in.grad_out, score_mod, block_mask);
-  constexpr double kStep = 1e-5;
   const auto check_tensor = [&](Tensor<double>& at, const Tensor<double>& analytic) {
-    Tensor<double> expected(at.shape());
-    for (Index i = 0; i < at.size(); ++i) {
-      double& element = at.data()[i];
-      const double kept = element;
-      element = kept + kStep;
-      const double up = loss(in);
-      element = kept - kStep;
-      const double down = loss(in);
-      element = kept;
-      expected.data()[i] = (up - down) / (2 * kStep);
-    }
+    const auto expected = mha_test::central_differences(at, [&] { return loss(in); });
     CHECK_TENSORS_CLOSE_TOL(analytic, expected, 1e-6, 1e-7);
   };
   check_tensor(in.q, grads.query);
@@ -415,6 +405,30 @@ TEST_CASE("flex: grouped-query attention and sinks pass through", "[flex][gqa]")
       mha::create_block_mask(mha::mods::SlidingWindow{40, 0, 0}, 1, 1, length, length);
   const auto result = mha::flex_attention(q, k, v, mha::no_score_mod, block_mask, options);
   CHECK_TENSORS_CLOSE(result.output, expected.output);
+}
+
+TEST_CASE("flex: a mod that throws makes the call throw, threads or not", "[flex][errors]") {
+  const auto q = mha_test::random_tensor<float>({1, 8, 300, 16}, 81);
+  const auto throwing_mask = [](Index, Index h, Index i, Index j) {
+    if (h == 5 && i == 250 && j == 3) throw std::out_of_range("mask_mod: no such document");
+    return j <= i;
+  };
+  CHECK(mha_test::message_of<std::out_of_range>([&] {
+          mha::create_block_mask(throwing_mask, 1, 8, 300, 300);
+        }) == "mask_mod: no such document");
+  // Built on the other heads' mask, then called for head 5's pairs in a partial block.
+  const auto causal = mha::create_block_mask(mha::mods::causal(), 1, 1, 300, 300);
+  const auto throwing_score = [](auto score, Index, Index h, Index i, Index j) {
+    if (h == 5 && i == 250 && j == 3) throw std::runtime_error("score_mod: table too small");
+    return score;
+  };
+  CHECK(mha_test::message_of<std::runtime_error>([&] {
+          mha::flex_attention(q, q, q, throwing_score, causal);
+        }) == "score_mod: table too small");
+  const auto result = mha::flex_attention(q, q, q, mha::no_score_mod, causal);
+  CHECK(mha_test::message_of<std::runtime_error>([&] {
+          mha::flex_attention_backward(q, q, q, result, q, throwing_score, causal);
+        }) == "score_mod: table too small");
 }
 
 TEST_CASE("flex: refusals name the argument", "[flex][errors]") {

@@ -22,7 +22,9 @@
 // batch or heads of 1 stands for all, for a mask_mod that does not read b or h).
 //
 // q_idx and kv_idx count from 0 in the query and the key tensors (top-left, as FlexAttention).
-// A row that sees no key gives 0 (FlexAttention's too). mods.hpp holds a library of mods.
+// A row that sees no key gives 0 (FlexAttention's too). A mod may throw: the call (or the
+// BlockMask's construction) then throws the first exception once its threads have stopped, and
+// the output is not to be used. mods.hpp holds a library of mods.
 #pragma once
 
 #include <algorithm>
@@ -80,16 +82,21 @@ class BlockMask {
     [[maybe_unused]] const double work = static_cast<double>(batch * heads) *
                                          static_cast<double>(query_len) *
                                          static_cast<double>(key_len);
+    // A mask_mod that throws: its exception, after the parallel loop.
+    detail::TaskExceptions<true> task_exceptions;
     MHA_OMP_PRAGMA(omp parallel for schedule(dynamic) if (detail::worth_threads(rows_of_cells, work)))
     for (Index row = 0; row < rows_of_cells; ++row) {
-      const Index b = row / (heads * query_blocks_), h = (row / query_blocks_) % heads;
-      const Index i0 = (row % query_blocks_) * query_block;
-      for (Index kb = 0; kb < key_blocks_; ++kb) {
-        cells_[static_cast<std::size_t>(row * key_blocks_ + kb)] =
-            evaluate(b, h, i0, std::min(query_block, query_len - i0), kb * key_block,
-                     std::min(key_block, key_len - kb * key_block));
-      }
+      task_exceptions.run([&] {
+        const Index b = row / (heads * query_blocks_), h = (row / query_blocks_) % heads;
+        const Index i0 = (row % query_blocks_) * query_block;
+        for (Index kb = 0; kb < key_blocks_; ++kb) {
+          cells_[static_cast<std::size_t>(row * key_blocks_ + kb)] =
+              evaluate(b, h, i0, std::min(query_block, query_len - i0), kb * key_block,
+                       std::min(key_block, key_len - kb * key_block));
+        }
+      });
     }
+    task_exceptions.rethrow();
   }
 
   const MaskMod& mask_mod() const { return mask_mod_; }

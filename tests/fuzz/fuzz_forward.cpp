@@ -591,7 +591,8 @@ MaskFunction one_mask_mod(Choices& choices, Index query_len, Index key_len) {
       return mha::mods::document(queries, keys);
     }
     case 6: {
-      if (query_len != key_len) return mha::mods::Strided{choices.in(1, 8), offset};
+      if (query_len != key_len || query_len == 0)
+        return mha::mods::Strided{choices.in(1, 8), offset};
       // A grid whose rows divide the length, and a kernel that fits it.
       Index height = choices.in(1, query_len);
       while (query_len % height != 0) --height;

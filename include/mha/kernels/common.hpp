@@ -4,8 +4,10 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <exception>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -483,6 +485,39 @@ struct KernelScratch {
   std::vector<T> weight_rows;
   // The float flash kernel's operands packed for the library's own GEMM (flash_panels.hpp).
   FlashPanels panels;
+};
+
+// A user's callbacks (flex_attention's mods, kernels/flex_tile.hpp) run inside the kernels'
+// parallel regions, which an escaping exception would end with std::terminate. TaskExceptions<true>
+// runs each task under a try: the first exception is kept, the region's later tasks are skipped,
+// and rethrow() throws it once the region has ended. TaskExceptions<false> only runs the task:
+// the library's own code throws nothing inside a region.
+template <bool Guard>
+class TaskExceptions {
+ public:
+  template <class Task>
+  void run(Task&& task) {
+    if constexpr (Guard) {
+      if (failed_.load(std::memory_order_relaxed)) return;
+      try {
+        task();
+      } catch (...) {
+        MHA_OMP_PRAGMA(omp critical(mha_task_exceptions)) {
+          if (!first_) first_ = std::current_exception();
+        }
+        failed_.store(true, std::memory_order_relaxed);
+      }
+    } else {
+      task();
+    }
+  }
+  void rethrow() const {
+    if (first_) std::rethrow_exception(first_);
+  }
+
+ private:
+  std::exception_ptr first_;
+  std::atomic<bool> failed_{false};
 };
 
 // One KernelScratch per thread that the next parallel region can have.

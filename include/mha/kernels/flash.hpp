@@ -222,8 +222,9 @@ void for_each_visible_key_block(const CoreOptions<T>& options, const Flex& flex,
 // the cache is read once at 2 bytes an element and never copied whole.
 //
 // flex holds a user's score_mod and block mask (kernels/flex_tile.hpp): a tile its block mask
-// hides is skipped before its product; the mods apply to the input keys' scores after the
-// built-in masks and biases, before the softmax.
+// hides is skipped before its product; on the input keys' scores, the score_mod sees scale q kᵀ
+// (capped by the built-in softcap), the built-in masks and biases are added to what it returns,
+// and the block mask's -inf comes last, before the softmax.
 template <class T, class Stored = T, class Flex = NoFlex>
 void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
                      const HeadLayout<const Stored>& k, const HeadLayout<const Stored>& v,
@@ -269,6 +270,7 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
   // Threads split (batch, head, query block) tasks; each task is computed whole by one thread
   // with the same arithmetic, so results do not depend on the number of threads.
   scratch_for_threads(scratch);
+  TaskExceptions<Flex::kActive> task_exceptions;
   MHA_OMP_PRAGMA(omp parallel if (worth_threads(tasks, work))) {
     // This thread's buffers: resized only when the shapes change, never inside the task loop.
     KernelScratch<T>& mine = scratch[static_cast<std::size_t>(thread_index())];
@@ -299,163 +301,167 @@ void attention_flash(Index batch, Index heads, const HeadLayout<const T>& q,
         (batch * heads) % team_size() == 0 ? static_cast<int>(query_blocks) : 1;
     MHA_OMP_PRAGMA(omp for schedule(dynamic, chunk))
     for (Index task = 0; task < tasks; ++task) {
-      const Index b = task / (heads * query_blocks);
-      const Index h = (task / query_blocks) % heads;
-      const Index i0 = (task % query_blocks) * blocks.query;
-      const auto q_bh = q.at(b, h);
-      const auto k_bh = k.at(b, h);
-      const auto v_bh = v.at(b, h);
-      auto out_bh = out.at(b, h);
-      const Index rows = std::min(blocks.query, query_len - i0);
-      auto acc_blk = acc.topRows(rows);
-      acc_blk.setZero();
-      row_max.head(rows).setConstant(kNegInf);
-      row_sum.head(rows).setZero();
-      [[maybe_unused]] const std::uint32_t* bf16_queries = nullptr;
-      if constexpr (kFloat) {
-        if (bf16) {
-          bf16_rows_of(q_bh.data() + i0 * q_bh.outerStride(), rows, q.cols, q_bh.outerStride(),
-                       mine.panels.bf16_queries);
-          bf16_queries = mine.panels.bf16_queries.data();
-        }
-      }
-
-      const auto process = [&](Index j0, Index cols) {
-        auto s = tile.topLeftCorner(rows, cols);
-        [[maybe_unused]] BlockCover cover = BlockCover::full;
-        if constexpr (Flex::kActive) {
-          if (j0 < masked_keys) cover = flex.cover(b, h, i0, rows, j0, cols);
-          if (cover == BlockCover::empty) return;
-        }
-        // pass 1: masks first, so a block they hide wholly costs no GEMM
-        const bool masked_tile = any_mask && j0 < masked_keys;
-        // Whether the tile may hold -inf: a mod may block pairs (or return -inf itself).
-        bool blocked_pairs = masked_tile;
-        // A score_mod sees the scores alone: the masks wait apart and are added after it.
-        const bool masks_apart = Flex::kScoreMod && masked_tile;
-        auto mask_tile =
-            mine.flex_masks.topLeftCorner(masks_apart ? rows : 0, masks_apart ? cols : 0);
-        if (masked_tile) {
-          if (masks_apart) {
-            options.masks(b, h, query_len, i0, j0, mask_tile);
-            if ((mask_tile.array() == kNegInf).all()) return;
-          } else {
-            options.masks(b, h, query_len, i0, j0, s);
-            if ((s.array() == kNegInf).all()) return;
-          }
-        }
-        // Whether the product adds to the masks in s or overwrites s.
-        const bool onto_masks = masked_tile && !masks_apart;
-        if (!onto_masks && !panels) s.setZero();
+      task_exceptions.run([&] {
+        const Index b = task / (heads * query_blocks);
+        const Index h = (task / query_blocks) % heads;
+        const Index i0 = (task % query_blocks) * blocks.query;
+        const auto q_bh = q.at(b, h);
+        const auto k_bh = k.at(b, h);
+        const auto v_bh = v.at(b, h);
+        auto out_bh = out.at(b, h);
+        const Index rows = std::min(blocks.query, query_len - i0);
+        auto acc_blk = acc.topRows(rows);
+        acc_blk.setZero();
+        row_max.head(rows).setConstant(kNegInf);
+        row_sum.head(rows).setZero();
+        [[maybe_unused]] const std::uint32_t* bf16_queries = nullptr;
         if constexpr (kFloat) {
           if (bf16) {
-            bf16_scores(mine.panels, bf16_queries, rows, k_bh, j0, cols, options.scale, !onto_masks,
-                        s.data(), tile.outerStride());
-          } else if (panels) {
-            // s = (masks +) scale q kᵀ, the keys' panels from the packed head where the block
-            // starts at one of its panels.
-            const float* keys = FlashPanels::transposed_block(
-                mine.panels.keys, mine.panels.block_keys, k_bh, j0, cols);
-            const LeftOperand queries{q_bh.data() + i0 * q_bh.outerStride(), q_bh.outerStride(),
-                                      false};
-            multiply_panels(rows, cols, k.cols, queries, keys, k.cols * PackedGemmShape::kNr,
-                            options.scale, !onto_masks, s.data(), tile.outerStride(),
-                            packed_gemm_buffers().edge);
+            bf16_rows_of(q_bh.data() + i0 * q_bh.outerStride(), rows, q.cols, q_bh.outerStride(),
+                         mine.panels.bf16_queries);
+            bf16_queries = mine.panels.bf16_queries.data();
           }
         }
-        if (!panels) {
-          options.add_scores(s, q_bh.middleRows(i0, rows),
-                             rows_as<T>(k_bh, j0, cols, mine.key_tile), mine.capped);
-        }
-        if constexpr (Flex::kActive) {
-          if (j0 < masked_keys) {
-            flex.modify_scores(b, h, i0, j0, s);
-            if (masks_apart) s += mask_tile;
-            flex.mask(b, h, i0, j0, cover, s);
-            blocked_pairs = blocked_pairs || flex.may_block(cover);
+
+        const auto process = [&](Index j0, Index cols) {
+          auto s = tile.topLeftCorner(rows, cols);
+          [[maybe_unused]] BlockCover cover = BlockCover::full;
+          if constexpr (Flex::kActive) {
+            if (j0 < masked_keys) cover = flex.cover(b, h, i0, rows, j0, cols);
+            if (cover == BlockCover::empty) return;
           }
-        }
-        // pass 2: online softmax, one row at a time
-        for (Index r = 0; r < rows; ++r) {
-          auto score_row = s.row(r);
-          T block_max;
-          if constexpr (kFloat) {
-            block_max = panels ? row_maximum(score_row.data(), cols) : score_row.maxCoeff();
-          } else {
-            block_max = score_row.maxCoeff();
-          }
-          if (block_max == kNegInf) {  // nothing visible in this block for this row
-            // ... unless the maximum skipped a NaN, which Eigen's may (its PropagateNaN maximum
-            // costs 7% of the kernel): a NaN score must reach the output.
-            if (score_row.hasNaN()) row_sum(r) = std::numeric_limits<T>::quiet_NaN();
-            score_row.setZero();
-            continue;
-          }
-          if (block_max > row_max(r)) {
-            // exp(-inf) is 0: a row's first visible block just starts the sums.
-            const T correction = row_max(r) == kNegInf ? T(0) : std::exp(row_max(r) - block_max);
-            row_sum(r) *= correction;
-            acc_blk.row(r) *= correction;
-            row_max(r) = block_max;
-          }
-          if constexpr (kFloat) {
-            if (panels) {
-              // exp_shifted (flash_small_head.hpp), fused with the row sum: -inf gives 0.
-              row_sum(r) += exp_shifted_row(score_row.data(), cols, row_max(r));
-              continue;
+          // pass 1: masks first, so a block they hide wholly costs no GEMM
+          const bool masked_tile = any_mask && j0 < masked_keys;
+          // Whether the tile may hold -inf: a mod may block pairs (or return -inf itself).
+          bool blocked_pairs = masked_tile;
+          // A score_mod sees the scores alone: the masks wait apart and are added after it.
+          const bool masks_apart = Flex::kScoreMod && masked_tile;
+          auto mask_tile =
+              mine.flex_masks.topLeftCorner(masks_apart ? rows : 0, masks_apart ? cols : 0);
+          if (masked_tile) {
+            if (masks_apart) {
+              options.masks(b, h, query_len, i0, j0, mask_tile);
+              if ((mask_tile.array() == kNegInf).all()) return;
+            } else {
+              options.masks(b, h, query_len, i0, j0, s);
+              if ((s.array() == kNegInf).all()) return;
             }
           }
-          if (blocked_pairs) {
-            row_sum(r) += exp_shifted_inplace(score_row, row_max(r), exps);
-          } else {
-            // No -inf in an unmasked tile: exp in place, two passes instead of five.
-            score_row.array() = (score_row.array() - row_max(r)).exp();
-            row_sum(r) += score_row.sum();
+          // Whether the product adds to the masks in s or overwrites s.
+          const bool onto_masks = masked_tile && !masks_apart;
+          if (!onto_masks && !panels) s.setZero();
+          if constexpr (kFloat) {
+            if (bf16) {
+              bf16_scores(mine.panels, bf16_queries, rows, k_bh, j0, cols, options.scale,
+                          !onto_masks, s.data(), tile.outerStride());
+            } else if (panels) {
+              // s = (masks +) scale q kᵀ, the keys' panels from the packed head where the block
+              // starts at one of its panels.
+              const float* keys = FlashPanels::transposed_block(
+                  mine.panels.keys, mine.panels.block_keys, k_bh, j0, cols);
+              const LeftOperand queries{q_bh.data() + i0 * q_bh.outerStride(), q_bh.outerStride(),
+                                        false};
+              multiply_panels(rows, cols, k.cols, queries, keys, k.cols * PackedGemmShape::kNr,
+                              options.scale, !onto_masks, s.data(), tile.outerStride(),
+                              packed_gemm_buffers().edge);
+            }
           }
-        }
-        if (options.dropout.active()) options.dropout.apply(b, h, i0, j0, s);
-        if constexpr (kFloat) {
-          if (bf16) {
-            bf16_accumulate_values(mine.panels, s.data(), tile.outerStride(), rows, cols, v_bh, j0,
-                                   acc_blk.data(), acc.outerStride());
-            return;
+          if (!panels) {
+            options.add_scores(s, q_bh.middleRows(i0, rows),
+                               rows_as<T>(k_bh, j0, cols, mine.key_tile), mine.capped);
           }
-          if (panels) {
-            // acc += p v, the values' rows j0 .. of each packed panel: the tile's keys are the
-            // product's depth.
-            const float* values = mine.panels.values.rows(v_bh) + j0 * PackedGemmShape::kNr;
-            // NOLINTNEXTLINE(readability-suspicious-call-argument)
-            multiply_panels(rows, value_dim, cols, LeftOperand{s.data(), tile.outerStride(), false},
-                            values, PanelBuffer::row_panel_stride(v_bh), 1.0F, false,
-                            acc_blk.data(), acc.outerStride(), packed_gemm_buffers().edge);
-            return;
+          if constexpr (Flex::kActive) {
+            if (j0 < masked_keys) {
+              flex.modify_scores(b, h, i0, j0, s);
+              if (masks_apart) s += mask_tile;
+              flex.mask(b, h, i0, j0, cover, s);
+              blocked_pairs = blocked_pairs || flex.may_block(cover);
+            }
           }
-        }
-        tile_product<T>(strided(acc_blk), const_strided(s), Operand::as_stored,
-                        const_strided(rows_as<T>(v_bh, j0, cols, mine.value_tile)),
-                        Operand::as_stored, Accumulate::yes);
-      };
-      for_each_visible_key_block(options, flex, b, h, key_len, query_len, i0, i0 + rows - 1,
-                                 blocks.key, process);
+          // pass 2: online softmax, one row at a time
+          for (Index r = 0; r < rows; ++r) {
+            auto score_row = s.row(r);
+            T block_max;
+            if constexpr (kFloat) {
+              block_max = panels ? row_maximum(score_row.data(), cols) : score_row.maxCoeff();
+            } else {
+              block_max = score_row.maxCoeff();
+            }
+            if (block_max == kNegInf) {  // nothing visible in this block for this row
+              // ... unless the maximum skipped a NaN, which Eigen's may (its PropagateNaN maximum
+              // costs 7% of the kernel): a NaN score must reach the output.
+              if (score_row.hasNaN()) row_sum(r) = std::numeric_limits<T>::quiet_NaN();
+              score_row.setZero();
+              continue;
+            }
+            if (block_max > row_max(r)) {
+              // exp(-inf) is 0: a row's first visible block just starts the sums.
+              const T correction = row_max(r) == kNegInf ? T(0) : std::exp(row_max(r) - block_max);
+              row_sum(r) *= correction;
+              acc_blk.row(r) *= correction;
+              row_max(r) = block_max;
+            }
+            if constexpr (kFloat) {
+              if (panels) {
+                // exp_shifted (flash_small_head.hpp), fused with the row sum: -inf gives 0.
+                row_sum(r) += exp_shifted_row(score_row.data(), cols, row_max(r));
+                continue;
+              }
+            }
+            if (blocked_pairs) {
+              row_sum(r) += exp_shifted_inplace(score_row, row_max(r), exps);
+            } else {
+              // No -inf in an unmasked tile: exp in place, two passes instead of five.
+              score_row.array() = (score_row.array() - row_max(r)).exp();
+              row_sum(r) += score_row.sum();
+            }
+          }
+          if (options.dropout.active()) options.dropout.apply(b, h, i0, j0, s);
+          if constexpr (kFloat) {
+            if (bf16) {
+              bf16_accumulate_values(mine.panels, s.data(), tile.outerStride(), rows, cols, v_bh,
+                                     j0, acc_blk.data(), acc.outerStride());
+              return;
+            }
+            if (panels) {
+              // acc += p v, the values' rows j0 .. of each packed panel: the tile's keys are the
+              // product's depth.
+              const float* values = mine.panels.values.rows(v_bh) + j0 * PackedGemmShape::kNr;
+              // NOLINTNEXTLINE(readability-suspicious-call-argument)
+              multiply_panels(rows, value_dim, cols,
+                              LeftOperand{s.data(), tile.outerStride(), false}, values,
+                              PanelBuffer::row_panel_stride(v_bh), 1.0F, false, acc_blk.data(),
+                              acc.outerStride(), packed_gemm_buffers().edge);
+              return;
+            }
+          }
+          tile_product<T>(strided(acc_blk), const_strided(s), Operand::as_stored,
+                          const_strided(rows_as<T>(v_bh, j0, cols, mine.value_tile)),
+                          Operand::as_stored, Accumulate::yes);
+        };
+        for_each_visible_key_block(options, flex, b, h, key_len, query_len, i0, i0 + rows - 1,
+                                   blocks.key, process);
 
-      // One division per row at the end; a row with no visible key stays 0. A NaN sum (from a
-      // NaN score) divides, so that the NaN reaches the output as the reference kernel's does.
-      for (Index r = 0; r < rows; ++r) {
-        auto out_row = out_bh.row(i0 + r);
-        if (row_sum(r) != T(0)) {
-          out_row.noalias() = acc_blk.row(r) / row_sum(r);
-        } else {
-          out_row.setZero();
-        }
-      }
-      if (logsumexp != nullptr) {
-        T* lse = logsumexp + (b * heads + h) * query_len + i0;
+        // One division per row at the end; a row with no visible key stays 0. A NaN sum (from a
+        // NaN score) divides, so that the NaN reaches the output as the reference kernel's does.
         for (Index r = 0; r < rows; ++r) {
-          lse[r] = row_sum(r) != T(0) ? row_max(r) + std::log(row_sum(r)) : kNegInf;
+          auto out_row = out_bh.row(i0 + r);
+          if (row_sum(r) != T(0)) {
+            out_row.noalias() = acc_blk.row(r) / row_sum(r);
+          } else {
+            out_row.setZero();
+          }
         }
-      }
+        if (logsumexp != nullptr) {
+          T* lse = logsumexp + (b * heads + h) * query_len + i0;
+          for (Index r = 0; r < rows; ++r) {
+            lse[r] = row_sum(r) != T(0) ? row_max(r) + std::log(row_sum(r)) : kNegInf;
+          }
+        }
+      });
     }
   }
+  task_exceptions.rethrow();
 }
 
 // The backward of attention_flash, FlashAttention-2's algorithm: no [L, S'] matrix is stored;
@@ -485,7 +491,6 @@ Index backward_query_chunk(Index head_dim, Index value_dim, Index query_block) {
          query_block;
 }
 
-//
 // With user mods (flex, as the forward's), the score_mod is called with Dual numbers to give each
 // score's derivative, by which dS is multiplied on its way to dQ and dK.
 template <class T, class Flex = NoFlex>
@@ -513,6 +518,7 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
                                 ? blocks.query_chunk
                                 : backward_query_chunk<T>(q.cols, v.cols, blocks.query);
   scratch_for_threads(scratch);
+  TaskExceptions<Flex::kActive> task_exceptions;
   MHA_OMP_PRAGMA(omp parallel if (worth_threads(tasks, work))) {
     KernelScratch<T>& mine = scratch[static_cast<std::size_t>(thread_index())];
     mine.panels.forget();
@@ -526,189 +532,199 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
     mine.row_dot.resize(query_len);
     MHA_OMP_PRAGMA(omp for schedule(dynamic))
     for (Index task = 0; task < tasks; ++task) {
-      const Index b = task / (heads / group), first_head = (task % (heads / group)) * group;
-      const auto k_bh = k.at(b, first_head);
-      const auto v_bh = v.at(b, first_head);
-      auto grad_k_bh = grad_k.at(b, first_head);
-      auto grad_v_bh = grad_v.at(b, first_head);
-      grad_k_bh.setZero();
-      grad_v_bh.setZero();
-      for (Index h = first_head; h < first_head + group; ++h) {
-        const auto q_bh = q.at(b, h);
-        const auto grad_out_bh = grad_out.at(b, h);
-        auto grad_q_bh = grad_q.at(b, h);
-        const T* lse = logsumexp + (b * heads + h) * query_len;
-        mine.row_dot = (grad_out_bh.array() * out.at(b, h).array()).rowwise().sum().matrix();
-        grad_q_bh.setZero();
-        Index chunk_begin = 0, chunk_end = 0;
+      task_exceptions.run([&] {
+        const Index b = task / (heads / group), first_head = (task % (heads / group)) * group;
+        const auto k_bh = k.at(b, first_head);
+        const auto v_bh = v.at(b, first_head);
+        auto grad_k_bh = grad_k.at(b, first_head);
+        auto grad_v_bh = grad_v.at(b, first_head);
+        grad_k_bh.setZero();
+        grad_v_bh.setZero();
+        for (Index h = first_head; h < first_head + group; ++h) {
+          const auto q_bh = q.at(b, h);
+          const auto grad_out_bh = grad_out.at(b, h);
+          auto grad_q_bh = grad_q.at(b, h);
+          const T* lse = logsumexp + (b * heads + h) * query_len;
+          mine.row_dot = (grad_out_bh.array() * out.at(b, h).array()).rowwise().sum().matrix();
+          grad_q_bh.setZero();
+          Index chunk_begin = 0, chunk_end = 0;
 
-        const auto key_block = [&](Index j0, Index cols) {
-          const auto k_blk = k_bh.middleRows(j0, cols);
-          const auto v_blk = v_bh.middleRows(j0, cols);
-          auto grad_k_blk = grad_k_bh.middleRows(j0, cols);
-          auto grad_v_blk = grad_v_bh.middleRows(j0, cols);
-          for (Index i0 = chunk_begin; i0 < chunk_end; i0 += blocks.query) {
-            const Index rows = std::min(blocks.query, chunk_end - i0);
-            const bool masked_tile = any_mask && j0 < masked_keys;
-            if (masked_tile && !options.may_see(h, query_len, i0, i0 + rows - 1, j0, j0 + cols)) {
-              continue;  // causal masking, the window or the pattern hides this block
-            }
-            const bool flex_tile = Flex::kActive && j0 < masked_keys;
-            [[maybe_unused]] BlockCover cover = BlockCover::full;
-            if constexpr (Flex::kActive) {
-              if (flex_tile) cover = flex.cover(b, h, i0, rows, j0, cols);
-              if (cover == BlockCover::empty) continue;
-            }
-            auto probs = mine.scores.topLeftCorner(rows, cols);
-            // As the forward: a score_mod sees the scores alone, the masks are added after it.
-            const bool masks_apart = Flex::kScoreMod && masked_tile;
-            auto mask_tile =
-                mine.flex_masks.topLeftCorner(masks_apart ? rows : 0, masks_apart ? cols : 0);
-            if (masked_tile) {
-              auto& masks = masks_apart ? mask_tile : probs;
-              options.masks(b, h, query_len, i0, j0, masks);
-              if ((masks.array() == kNegInf).all()) continue;
-            }
-            const bool onto_masks = masked_tile && !masks_apart;
-            if (!onto_masks && !panels) probs.setZero();
-            const auto q_blk = q_bh.middleRows(i0, rows);
-            const auto grad_out_blk = grad_out_bh.middleRows(i0, rows);
-            auto grad_scores = mine.grad_scores.topLeftCorner(rows, cols);
-            const Index probs_ld = mine.scores.outerStride(),
-                        grad_ld = mine.grad_scores.outerStride();
-            float* const edge = packed_gemm_buffers().edge;
-            // S (+ masks) = scale q kᵀ; dP = dO vᵀ.
-            [[maybe_unused]] FlashPanels& packed = mine.panels;
-            if constexpr (kFloat) {
-              if (bf16) {
-                bf16_rows_of(q_blk.data(), rows, k.cols, q_blk.outerStride(), packed.bf16_queries);
-                bf16_scores(packed, packed.bf16_queries.data(), rows, k_bh, j0, cols, options.scale,
-                            !onto_masks, probs.data(), probs_ld);
-                bf16_rows_of(grad_out_blk.data(), rows, v.cols, grad_out_blk.outerStride(),
-                             packed.bf16_grad_out);
-                bf16_product_transposed(packed.bf16_values_transposed, packed.bf16_block_transposed,
-                                        packed.bf16_grad_out.data(), rows, v_bh, j0, cols, 1.0F,
-                                        true, grad_scores.data(), grad_ld);
-              } else if (panels) {
-                const float* keys = FlashPanels::transposed_block(
-                    mine.panels.keys, mine.panels.block_keys, k_bh, j0, cols);
-                multiply_panels(
-                    rows, cols, k.cols, LeftOperand{q_blk.data(), q_blk.outerStride(), false}, keys,
-                    k.cols * nr, options.scale, !onto_masks, probs.data(), probs_ld, edge);
-                const float* values = FlashPanels::transposed_block(
-                    mine.panels.values_transposed, mine.panels.block_values, v_bh, j0, cols);
-                multiply_panels(rows, cols, v.cols,
-                                LeftOperand{grad_out_blk.data(), grad_out_blk.outerStride(), false},
-                                values, v.cols * nr, 1.0F, true, grad_scores.data(), grad_ld, edge);
+          const auto key_block = [&](Index j0, Index cols) {
+            const auto k_blk = k_bh.middleRows(j0, cols);
+            const auto v_blk = v_bh.middleRows(j0, cols);
+            auto grad_k_blk = grad_k_bh.middleRows(j0, cols);
+            auto grad_v_blk = grad_v_bh.middleRows(j0, cols);
+            for (Index i0 = chunk_begin; i0 < chunk_end; i0 += blocks.query) {
+              const Index rows = std::min(blocks.query, chunk_end - i0);
+              const bool masked_tile = any_mask && j0 < masked_keys;
+              if (masked_tile && !options.may_see(h, query_len, i0, i0 + rows - 1, j0, j0 + cols)) {
+                continue;  // causal masking, the window or the pattern hides this block
               }
-            }
-            if (!panels) {
-              options.add_scores(probs, q_blk, k_blk, mine.capped);
-              tile_product<T>(strided(grad_scores), const_strided(grad_out_blk), Operand::as_stored,
-                              const_strided(v_blk), Operand::transposed, Accumulate::no);
-            }
-            [[maybe_unused]] auto mod_derivatives = mine.mod_derivatives.topLeftCorner(rows, cols);
-            if constexpr (Flex::kActive) {
-              if (flex_tile) {
-                if constexpr (Flex::kScoreMod) {
-                  flex.differentiate_scores(b, h, i0, j0, probs, mod_derivatives);
+              const bool flex_tile = Flex::kActive && j0 < masked_keys;
+              [[maybe_unused]] BlockCover cover = BlockCover::full;
+              if constexpr (Flex::kActive) {
+                if (flex_tile) cover = flex.cover(b, h, i0, rows, j0, cols);
+                if (cover == BlockCover::empty) continue;
+              }
+              auto probs = mine.scores.topLeftCorner(rows, cols);
+              // As the forward: a score_mod sees the scores alone, the masks are added after it.
+              const bool masks_apart = Flex::kScoreMod && masked_tile;
+              auto mask_tile =
+                  mine.flex_masks.topLeftCorner(masks_apart ? rows : 0, masks_apart ? cols : 0);
+              if (masked_tile) {
+                auto& masks = masks_apart ? mask_tile : probs;
+                options.masks(b, h, query_len, i0, j0, masks);
+                if ((masks.array() == kNegInf).all()) continue;
+              }
+              const bool onto_masks = masked_tile && !masks_apart;
+              if (!onto_masks && !panels) probs.setZero();
+              const auto q_blk = q_bh.middleRows(i0, rows);
+              const auto grad_out_blk = grad_out_bh.middleRows(i0, rows);
+              auto grad_scores = mine.grad_scores.topLeftCorner(rows, cols);
+              const Index probs_ld = mine.scores.outerStride(),
+                          grad_ld = mine.grad_scores.outerStride();
+              float* const edge = packed_gemm_buffers().edge;
+              // S (+ masks) = scale q kᵀ; dP = dO vᵀ.
+              [[maybe_unused]] FlashPanels& packed = mine.panels;
+              if constexpr (kFloat) {
+                if (bf16) {
+                  bf16_rows_of(q_blk.data(), rows, k.cols, q_blk.outerStride(),
+                               packed.bf16_queries);
+                  bf16_scores(packed, packed.bf16_queries.data(), rows, k_bh, j0, cols,
+                              options.scale, !onto_masks, probs.data(), probs_ld);
+                  bf16_rows_of(grad_out_blk.data(), rows, v.cols, grad_out_blk.outerStride(),
+                               packed.bf16_grad_out);
+                  bf16_product_transposed(packed.bf16_values_transposed,
+                                          packed.bf16_block_transposed, packed.bf16_grad_out.data(),
+                                          rows, v_bh, j0, cols, 1.0F, true, grad_scores.data(),
+                                          grad_ld);
+                } else if (panels) {
+                  const float* keys = FlashPanels::transposed_block(
+                      mine.panels.keys, mine.panels.block_keys, k_bh, j0, cols);
+                  multiply_panels(
+                      rows, cols, k.cols, LeftOperand{q_blk.data(), q_blk.outerStride(), false},
+                      keys, k.cols * nr, options.scale, !onto_masks, probs.data(), probs_ld, edge);
+                  const float* values = FlashPanels::transposed_block(
+                      mine.panels.values_transposed, mine.panels.block_values, v_bh, j0, cols);
+                  multiply_panels(
+                      rows, cols, v.cols,
+                      LeftOperand{grad_out_blk.data(), grad_out_blk.outerStride(), false}, values,
+                      v.cols * nr, 1.0F, true, grad_scores.data(), grad_ld, edge);
                 }
-                if (masks_apart) probs += mask_tile;
-                flex.mask(b, h, i0, j0, cover, probs);
+              }
+              if (!panels) {
+                options.add_scores(probs, q_blk, k_blk, mine.capped);
+                tile_product<T>(strided(grad_scores), const_strided(grad_out_blk),
+                                Operand::as_stored, const_strided(v_blk), Operand::transposed,
+                                Accumulate::no);
+              }
+              // (Sized only with a score_mod: empty otherwise.)
+              [[maybe_unused]] auto mod_derivatives = mine.mod_derivatives.topLeftCorner(
+                  Flex::kScoreMod ? rows : 0, Flex::kScoreMod ? cols : 0);
+              if constexpr (Flex::kActive) {
+                if (flex_tile) {
+                  if constexpr (Flex::kScoreMod) {
+                    flex.differentiate_scores(b, h, i0, j0, probs, mod_derivatives);
+                  }
+                  if (masks_apart) probs += mask_tile;
+                  flex.mask(b, h, i0, j0, cover, probs);
+                }
+              }
+              // P = exp(S - lse), exactly 0 where blocked and in rows that saw no key
+              for (Index r = 0; r < rows; ++r) {
+                auto row = probs.row(r);
+                if (lse[i0 + r] == kNegInf) {
+                  row.setZero();
+                } else if (masked_tile || (flex_tile && flex.may_block(cover))) {
+                  exp_shifted_inplace(row, lse[i0 + r], mine.exps);
+                } else {
+                  row.array() = (row.array() - lse[i0 + r]).exp();
+                }
+              }
+              // dV += Pdᵀ dO, with Pd the tile dropout leaves (P itself without dropout).
+              auto dropped = mine.acc.topLeftCorner(rows, cols);
+              if (options.dropout.active()) {
+                dropped = probs;
+                options.dropout.apply(b, h, i0, j0, dropped);
+                options.dropout.apply(b, h, i0, j0, grad_scores);
+              }
+              const bool dropout = options.dropout.active();
+              if constexpr (kFloat) {
+                const float* kept = dropout ? dropped.data() : probs.data();
+                const Index kept_ld = dropout ? mine.acc.outerStride() : probs_ld;
+                if (bf16) {
+                  bf16_accumulate_transposed_product(
+                      kept, kept_ld, rows, cols, packed.bf16_grad_out_rows, packed.bf16_block_rows,
+                      grad_out_bh, i0, 1.0F, packed, grad_v_blk.data(), grad_v_blk.outerStride());
+                } else if (panels) {
+                  const float* grad_out_rows = mine.panels.grad_out.rows(grad_out_bh) + i0 * nr;
+                  // Pᵀ and dSᵀ: the tile's keys are the product's rows, its queries the depth.
+                  // NOLINTNEXTLINE(readability-suspicious-call-argument)
+                  multiply_panels(cols, v.cols, rows, LeftOperand{kept, 1, false, kept_ld},
+                                  grad_out_rows, PanelBuffer::row_panel_stride(grad_out_bh), 1.0F,
+                                  false, grad_v_blk.data(), grad_v_blk.outerStride(), edge);
+                }
+              }
+              if (!panels) {
+                tile_product<T>(strided(grad_v_blk),
+                                dropout ? const_strided(dropped) : const_strided(probs),
+                                Operand::transposed, const_strided(grad_out_blk),
+                                Operand::as_stored, Accumulate::yes);
+              }
+              grad_scores.array() = probs.array() * (grad_scores.array().colwise() -
+                                                     mine.row_dot.segment(i0, rows).array());
+              options.softcap_backward(grad_scores, mine.capped);
+              if constexpr (Flex::kScoreMod) {
+                if (flex_tile) grad_scores.array() *= mod_derivatives.array();
+              }
+              // dQ += scale dS k; dK += scale dSᵀ q.
+              auto grad_q_blk = grad_q_bh.middleRows(i0, rows);
+              if constexpr (kFloat) {
+                if (bf16) {
+                  bf16_accumulate_product(grad_scores.data(), grad_ld, rows, cols,
+                                          packed.bf16_key_rows, packed.bf16_block_rows, k_bh, j0,
+                                          options.scale, packed.bf16_probabilities,
+                                          grad_q_blk.data(), grad_q_blk.outerStride());
+                  bf16_accumulate_transposed_product(grad_scores.data(), grad_ld, rows, cols,
+                                                     packed.bf16_query_rows, packed.bf16_block_rows,
+                                                     q_bh, i0, options.scale, packed,
+                                                     grad_k_blk.data(), grad_k_blk.outerStride());
+                } else if (panels) {
+                  const float* key_rows = mine.panels.key_rows.rows(k_bh) + j0 * nr;
+                  multiply_panels(rows, k.cols, cols,
+                                  LeftOperand{grad_scores.data(), grad_ld, false}, key_rows,
+                                  PanelBuffer::row_panel_stride(k_bh), options.scale, false,
+                                  grad_q_blk.data(), grad_q_blk.outerStride(), edge);
+                  const float* query_rows = mine.panels.queries.rows(q_bh) + i0 * nr;
+                  // NOLINTNEXTLINE(readability-suspicious-call-argument)
+                  multiply_panels(cols, k.cols, rows,
+                                  LeftOperand{grad_scores.data(), 1, false, grad_ld}, query_rows,
+                                  PanelBuffer::row_panel_stride(q_bh), options.scale, false,
+                                  grad_k_blk.data(), grad_k_blk.outerStride(), edge);
+                }
+              }
+              if (!panels) {
+                tile_product<T>(strided(grad_q_blk), const_strided(grad_scores), Operand::as_stored,
+                                const_strided(k_blk), Operand::as_stored, Accumulate::yes,
+                                options.scale);
+                tile_product<T>(strided(grad_k_blk), const_strided(grad_scores),
+                                Operand::transposed, const_strided(q_blk), Operand::as_stored,
+                                Accumulate::yes, options.scale);
               }
             }
-            // P = exp(S - lse), exactly 0 where blocked and in rows that saw no key
-            for (Index r = 0; r < rows; ++r) {
-              auto row = probs.row(r);
-              if (lse[i0 + r] == kNegInf) {
-                row.setZero();
-              } else if (masked_tile || (flex_tile && flex.may_block(cover))) {
-                exp_shifted_inplace(row, lse[i0 + r], mine.exps);
-              } else {
-                row.array() = (row.array() - lse[i0 + r]).exp();
-              }
-            }
-            // dV += Pdᵀ dO, with Pd the tile dropout leaves (P itself without dropout).
-            auto dropped = mine.acc.topLeftCorner(rows, cols);
-            if (options.dropout.active()) {
-              dropped = probs;
-              options.dropout.apply(b, h, i0, j0, dropped);
-              options.dropout.apply(b, h, i0, j0, grad_scores);
-            }
-            const bool dropout = options.dropout.active();
-            if constexpr (kFloat) {
-              const float* kept = dropout ? dropped.data() : probs.data();
-              const Index kept_ld = dropout ? mine.acc.outerStride() : probs_ld;
-              if (bf16) {
-                bf16_accumulate_transposed_product(
-                    kept, kept_ld, rows, cols, packed.bf16_grad_out_rows, packed.bf16_block_rows,
-                    grad_out_bh, i0, 1.0F, packed, grad_v_blk.data(), grad_v_blk.outerStride());
-              } else if (panels) {
-                const float* grad_out_rows = mine.panels.grad_out.rows(grad_out_bh) + i0 * nr;
-                // Pᵀ and dSᵀ: the tile's keys are the product's rows, its queries the depth.
-                // NOLINTNEXTLINE(readability-suspicious-call-argument)
-                multiply_panels(cols, v.cols, rows, LeftOperand{kept, 1, false, kept_ld},
-                                grad_out_rows, PanelBuffer::row_panel_stride(grad_out_bh), 1.0F,
-                                false, grad_v_blk.data(), grad_v_blk.outerStride(), edge);
-              }
-            }
-            if (!panels) {
-              tile_product<T>(strided(grad_v_blk),
-                              dropout ? const_strided(dropped) : const_strided(probs),
-                              Operand::transposed, const_strided(grad_out_blk), Operand::as_stored,
-                              Accumulate::yes);
-            }
-            grad_scores.array() = probs.array() * (grad_scores.array().colwise() -
-                                                   mine.row_dot.segment(i0, rows).array());
-            options.softcap_backward(grad_scores, mine.capped);
-            if constexpr (Flex::kScoreMod) {
-              if (flex_tile) grad_scores.array() *= mod_derivatives.array();
-            }
-            // dQ += scale dS k; dK += scale dSᵀ q.
-            auto grad_q_blk = grad_q_bh.middleRows(i0, rows);
-            if constexpr (kFloat) {
-              if (bf16) {
-                bf16_accumulate_product(grad_scores.data(), grad_ld, rows, cols,
-                                        packed.bf16_key_rows, packed.bf16_block_rows, k_bh, j0,
-                                        options.scale, packed.bf16_probabilities, grad_q_blk.data(),
-                                        grad_q_blk.outerStride());
-                bf16_accumulate_transposed_product(grad_scores.data(), grad_ld, rows, cols,
-                                                   packed.bf16_query_rows, packed.bf16_block_rows,
-                                                   q_bh, i0, options.scale, packed,
-                                                   grad_k_blk.data(), grad_k_blk.outerStride());
-              } else if (panels) {
-                const float* key_rows = mine.panels.key_rows.rows(k_bh) + j0 * nr;
-                multiply_panels(rows, k.cols, cols, LeftOperand{grad_scores.data(), grad_ld, false},
-                                key_rows, PanelBuffer::row_panel_stride(k_bh), options.scale, false,
-                                grad_q_blk.data(), grad_q_blk.outerStride(), edge);
-                const float* query_rows = mine.panels.queries.rows(q_bh) + i0 * nr;
-                // NOLINTNEXTLINE(readability-suspicious-call-argument)
-                multiply_panels(cols, k.cols, rows,
-                                LeftOperand{grad_scores.data(), 1, false, grad_ld}, query_rows,
-                                PanelBuffer::row_panel_stride(q_bh), options.scale, false,
-                                grad_k_blk.data(), grad_k_blk.outerStride(), edge);
-              }
-            }
-            if (!panels) {
-              tile_product<T>(strided(grad_q_blk), const_strided(grad_scores), Operand::as_stored,
-                              const_strided(k_blk), Operand::as_stored, Accumulate::yes,
-                              options.scale);
-              tile_product<T>(strided(grad_k_blk), const_strided(grad_scores), Operand::transposed,
-                              const_strided(q_blk), Operand::as_stored, Accumulate::yes,
-                              options.scale);
-            }
+          };
+          // Every chunk visits the key blocks of the whole query range, so that each dQ and dK
+          // element sums the same tiles in the same order as one pass over all the queries would.
+          for (chunk_begin = 0; chunk_begin < query_len; chunk_begin = chunk_end) {
+            chunk_end = std::min(query_len, chunk_begin + query_chunk);
+            for_each_key_block(options, h, key_len, query_len, 0, query_len - 1, blocks.key,
+                               key_block);
           }
-        };
-        // Every chunk visits the key blocks of the whole query range, so that each dQ and dK
-        // element sums the same tiles in the same order as one pass over all the queries would.
-        for (chunk_begin = 0; chunk_begin < query_len; chunk_begin = chunk_end) {
-          chunk_end = std::min(query_len, chunk_begin + query_chunk);
-          for_each_key_block(options, h, key_len, query_len, 0, query_len - 1, blocks.key,
-                             key_block);
         }
-      }
+      });
     }
   }
+  task_exceptions.rethrow();
 }
 
 // The instantiations mha::compiled holds (src/kernels_flash_*.cpp; see mha/compiled.hpp).

@@ -43,7 +43,7 @@ namespace mha::detail {
 struct NoFlex {
   static constexpr bool kActive = false;
   static constexpr bool kScoreMod = false;
-  bool may_block(BlockCover /*cover*/) const { return false; }
+  static bool may_block(BlockCover /*cover*/) { return false; }
 };
 
 // Whether a score_mod also has the row form: score_mod.modify_row(scores, b, h, q_idx, kv_first)
