@@ -303,6 +303,69 @@ TEST_CASE("flex: a user's score_mod differentiates by Dual numbers: finite diffe
   check_tensor(in.v, grads.value);
 }
 
+TEST_CASE("flex: learned parameters of a score_mod get their gradient", "[flex][backward]") {
+  // A relative-position bias table and learned ALiBi slopes: forward and input gradients against
+  // the bias written out densely; the parameters' gradients against central differences.
+  Shape4 s;
+  s.heads = 2;
+  s.query_len = 130;
+  s.key_len = 150;
+  const Index reach = 40, width = 2 * reach + 1;
+  Inputs<double> in(s, 91);
+  mha::mods::RelativeBias<double> bias{
+      std::vector<double>(static_cast<std::size_t>(s.heads * width)), reach,
+      s.key_len - s.query_len};
+  mha::Random random(92);
+  for (double& entry : bias.table) entry = random.normal();
+  const auto causal = mha::create_block_mask(
+      mha::mods::causal(mha::Alignment::bottom_right, s.query_len, s.key_len), 1, 1, s.query_len,
+      s.key_len);
+  Tensor<double> dense({s.heads, s.query_len, s.key_len});
+  for (Index h = 0; h < s.heads; ++h) {
+    for (Index i = 0; i < s.query_len; ++i) {
+      for (Index j = 0; j < s.key_len; ++j) {
+        const Index distance = std::min(reach, std::max(-reach, j - i - 20));  // S - L = 20
+        dense[h].matrix()(i, j) =
+            j <= i + 20 ? bias.table[static_cast<std::size_t>(h * width + distance + reach)]
+                        : -kInf;
+      }
+    }
+  }
+  mha::AttentionOptions<double> written_out;
+  written_out.mask = mha::Mask<double>::additive(dense);
+  const Truth t = truth(in, written_out);
+  check_against<double>(s, in, t, bias, causal);
+  const auto result = mha::flex_attention(in.q, in.k, in.v, bias, causal);
+  const auto grads =
+      mha::flex_attention_backward(in.q, in.k, in.v, result, in.grad_out, bias, causal);
+  REQUIRE(grads.score_mod.shape() == mha::Shape{s.heads * width});
+  Tensor<double> table({s.heads * width});
+  std::copy(bias.table.begin(), bias.table.end(), table.data());
+  const auto numeric = mha_test::central_differences(table, [&] {
+    auto at = bias;
+    at.table.assign(table.data(), table.data() + table.size());
+    return mha::flex_attention(in.q, in.k, in.v, at, causal).output.flat().dot(in.grad_out.flat());
+  });
+  CHECK_TENSORS_CLOSE_TOL(grads.score_mod, numeric, 1e-6, 1e-7);
+
+  mha::mods::LearnedAlibi<double> alibi{{mha::alibi_slopes<double>(s.heads), 0}};
+  const auto alibi_result = mha::flex_attention(in.q, in.k, in.v, alibi, causal);
+  const auto alibi_grads =
+      mha::flex_attention_backward(in.q, in.k, in.v, alibi_result, in.grad_out, alibi, causal);
+  Tensor<double> slopes({s.heads});
+  std::copy(alibi.slopes.begin(), alibi.slopes.end(), slopes.data());
+  const auto numeric_slopes = mha_test::central_differences(slopes, [&] {
+    auto at = alibi;
+    at.slopes.assign(slopes.data(), slopes.data() + slopes.size());
+    return mha::flex_attention(in.q, in.k, in.v, at, causal).output.flat().dot(in.grad_out.flat());
+  });
+  CHECK_TENSORS_CLOSE_TOL(alibi_grads.score_mod, numeric_slopes, 1e-6, 1e-7);
+  // A score_mod without learned parameters returns no such gradient.
+  CHECK(
+      mha::flex_attention_backward(in.q, in.k, in.v, result, in.grad_out, mha::no_score_mod, causal)
+          .score_mod.is_null());
+}
+
 TEST_CASE("flex: block masks equal a brute-force evaluation, broadcast and count", "[flex]") {
   const Index query_len = 100, key_len = 150;
   const auto mask_mod = [](Index b, Index h, Index i, Index j) { return j <= i + 10 * b + h; };

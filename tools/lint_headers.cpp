@@ -84,6 +84,8 @@ template class mha::Sgd<float>;
 template class mha::Adam<float>;
 template class mha::AdamW<float>;
 template class mha::BlockMask<mha::mods::Causal>;
+template struct mha::mods::RelativeBias<float>;
+template struct mha::mods::LearnedAlibi<float>;
 template struct mha::Dual<float>;
 
 // flex_attention's forward and backward, with a score_mod of the row form (ALiBi) and one of

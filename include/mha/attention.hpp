@@ -356,6 +356,8 @@ template <class T>
 struct AttentionGradients {
   Tensor<T> query, key, value;  // the shapes of the inputs
   Tensor<T> sinks;              // [H] with AttentionOptions::sinks, else empty
+  // [P]: the gradient of a flex_attention score_mod's learned parameters (flex.hpp), else empty
+  Tensor<T> score_mod;
 };
 
 namespace detail {

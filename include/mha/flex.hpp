@@ -218,7 +218,7 @@ AttentionResult<T> flex_attention(const TensorView<const T>& query, const Tensor
   result.output = Tensor<T>(problem.shape(query_len, problem.value_dim));
   result.logsumexp = Tensor<T>(problem.logsumexp_shape());
   std::vector<KernelScratch<T>> scratch;
-  const FlexTile<ScoreMod, BlockMask<MaskMod>> flex{&score_mod, block_mask};
+  const FlexTile<T, ScoreMod, BlockMask<MaskMod>> flex{&score_mod, block_mask};
   const auto out = problem.heads_of(result.output.data(), query_len, problem.value_dim);
   attention_flash<T, T>(problem.batch, problem.heads,
                         problem.heads_of(query.data(), query_len, problem.head_dim),
@@ -252,7 +252,15 @@ AttentionGradients<T> flex_attention_backward(
   grads.key = Tensor<T>(key.shape());
   grads.value = Tensor<T>(value.shape());
   std::vector<KernelScratch<T>> scratch;
-  const FlexTile<ScoreMod, BlockMask<MaskMod>> flex{&score_mod, block_mask};
+  FlexTile<T, ScoreMod, BlockMask<MaskMod>> flex{&score_mod, block_mask};
+  // Learned parameters: a gradient row per task of the backward (batch element, key/value head).
+  std::vector<T> per_task;
+  const Index tasks = problem.batch * problem.kv_heads;
+  if constexpr (decltype(flex)::kParameters) {
+    flex.parameter_count = static_cast<Index>(score_mod.parameter_count());
+    per_task.assign(static_cast<std::size_t>(tasks * flex.parameter_count), T(0));
+    flex.parameter_gradients = per_task.data();
+  }
   const auto out = problem.heads_of(result.output.data(), query_len, problem.value_dim);
   attention_flash_backward<T>(
       problem.batch, problem.heads, problem.heads_of(query.data(), query_len, problem.head_dim),
@@ -263,6 +271,13 @@ AttentionGradients<T> flex_attention_backward(
       problem.kv_heads_of(grads.key.data(), key_len, problem.head_dim),
       problem.kv_heads_of(grads.value.data(), key_len, problem.value_dim), problem.core, scratch,
       kBackwardBlocks, flex);
+  if constexpr (decltype(flex)::kParameters) {
+    grads.score_mod = Tensor<T>({flex.parameter_count});
+    for (Index task = 0; task < tasks; ++task) {
+      grads.score_mod.flat() += Eigen::Map<const Vector<T>>(
+          per_task.data() + task * flex.parameter_count, flex.parameter_count);
+    }
+  }
   if (problem.core.sinks != nullptr) {
     grads.sinks = Tensor<T>({problem.heads});
     accumulate_sink_gradients(problem.batch, problem.heads, out,

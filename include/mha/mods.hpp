@@ -7,6 +7,7 @@
 // aligned_offset() computes it. Key kv_idx is at kv_idx.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <memory>
@@ -212,6 +213,39 @@ struct Alibi {
     scores -= static_cast<S>(slopes[static_cast<std::size_t>(h)]) *
               Eigen::Array<S, 1, Eigen::Dynamic>::LinSpaced(n, first, first + static_cast<S>(n - 1))
                   .abs();
+  }
+};
+
+// ALiBi with learned slopes: Alibi's score, and the slopes' gradient from the backward
+// (AttentionGradients::score_mod, [H]).
+template <class T>
+struct LearnedAlibi : Alibi<T> {
+  std::size_t parameter_count() const { return this->slopes.size(); }
+  void accumulate_gradient(T* gradient, T grad_score, T /*score*/, Index /*b*/, Index h,
+                           Index q_idx, Index kv_idx) const {
+    gradient[h] -= grad_score * static_cast<T>(std::abs(q_idx + this->offset - kv_idx));
+  }
+};
+
+// A learned bias per head and clipped relative position (Shaw et al. 2018; T5's table without
+// its buckets): score + table[h, clamp(kv_idx - c, -reach, reach) + reach], table [H, 2 reach + 1]
+// row-major. Its gradient from the backward is the table's (AttentionGradients::score_mod).
+template <class T>
+struct RelativeBias {
+  std::vector<T> table;
+  Index reach = 0;
+  Index offset = 0;
+  Index column(Index q_idx, Index kv_idx) const {
+    return std::clamp(kv_idx - q_idx - offset, -reach, reach) + reach;
+  }
+  template <class Score>
+  Score operator()(Score score, Index /*b*/, Index h, Index q_idx, Index kv_idx) const {
+    return score + table[static_cast<std::size_t>(h * (2 * reach + 1) + column(q_idx, kv_idx))];
+  }
+  std::size_t parameter_count() const { return table.size(); }
+  void accumulate_gradient(T* gradient, T grad_score, T /*score*/, Index /*b*/, Index h,
+                           Index q_idx, Index kv_idx) const {
+    gradient[h * (2 * reach + 1) + column(q_idx, kv_idx)] += grad_score;
   }
 };
 

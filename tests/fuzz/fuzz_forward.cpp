@@ -28,7 +28,8 @@
 //     exactly when it does not fit, a rewind exactly when it would need a dropped token, and a
 //     float layer's step agrees with forward over the tokens the cache holds and its own;
 //   - flex_attention (mha/flex.hpp) over the case's heads with a decoded mask_mod from
-//     mha/mods.hpp (or two combined), block sizes and score_mod (none, ALiBi, softcap): its
+//     mha/mods.hpp (or two combined), block sizes and score_mod (none, ALiBi, softcap, a
+//     relative-position bias table of decoded values): its
 //     output and gradients agree with scaled_dot_product_attention's reference kernel given the
 //     same mask evaluated densely and the score_mod's built-in option.
 #include <algorithm>
@@ -653,10 +654,28 @@ void check_flex(const Case& c, Choices& choices, mha::Random& random) {
     kernels_agree(expected_grads.key, grads.key, "flex_attention's key gradient");
     kernels_agree(expected_grads.value, grads.value, "flex_attention's value gradient");
   };
-  switch (choices.in(0, 2)) {
+  switch (choices.in(0, 3)) {
     case 1: {
       reference.alibi_slopes = mha::alibi_slopes<float>(heads);
       compare(mha::mods::Alibi<float>{reference.alibi_slopes, 0});
+      break;
+    }
+    case 3: {
+      // A relative-position bias table of decoded reach, added to the dense mask.
+      const Index reach = choices.in(0, 4), width = 2 * reach + 1;
+      mha::mods::RelativeBias<float> bias{{}, reach, choices.flag() ? key_len - query_len : 0};
+      for (Index e = 0; e < heads * width; ++e) {
+        bias.table.push_back(static_cast<float>(random.uniform(-2.0, 2.0)));
+      }
+      for (Index b = 0; b < batch; ++b) {
+        for (Index h = 0; h < heads; ++h) {
+          for (Index i = 0; i < query_len; ++i) {
+            for (Index j = 0; j < key_len; ++j) mask[b][h].matrix()(i, j) += bias(0.0F, b, h, i, j);
+          }
+        }
+      }
+      reference.mask = mha::Mask<float>::additive(mask);
+      compare(bias);
       break;
     }
     case 2: {

@@ -467,8 +467,9 @@ struct KernelScratch {
   Vector<T> row_dot;
   Matrix<T> capped;  // softcap's capped scores, as add_scores leaves them
   // With a user's score_mod (flex_tile.hpp): the built-in masks of a tile, kept apart until the
-  // score_mod has seen the scores; and in the backward, its derivatives.
-  Matrix<T> flex_masks, mod_derivatives;
+  // score_mod has seen the scores; and in the backward, its derivatives and (with learned
+  // parameters) its inputs.
+  Matrix<T> flex_masks, mod_derivatives, mod_inputs;
   Matrix<T> queries;  // the small-head flash kernel's scaled query block; a decoding task's queries
   // A decoding task's queries as the packed GEMM's panels, or as a q4 cache's products read
   // them (decode_q4.hpp: int8 codes, in its bytes).

@@ -526,6 +526,7 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
     mine.grad_scores.resize(blocks.query, blocks.key);
     if (options.softcap > T(0)) mine.capped.resize(blocks.query, blocks.key);
     if (Flex::kScoreMod) mine.mod_derivatives.resize(blocks.query, blocks.key);
+    if (Flex::kParameters) mine.mod_inputs.resize(blocks.query, blocks.key);
     if (Flex::kScoreMod && any_mask) mine.flex_masks.resize(blocks.query, blocks.key);
     mine.acc.resize(blocks.query, blocks.key);  // the dropped-out tile Pd
     mine.exps.resize(blocks.key);
@@ -618,13 +619,15 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
                                 Operand::as_stored, const_strided(v_blk), Operand::transposed,
                                 Accumulate::no);
               }
-              // (Sized only with a score_mod: empty otherwise.)
+              // (Sized only with a score_mod, and with learned parameters: empty otherwise.)
               [[maybe_unused]] auto mod_derivatives = mine.mod_derivatives.topLeftCorner(
                   Flex::kScoreMod ? rows : 0, Flex::kScoreMod ? cols : 0);
+              [[maybe_unused]] auto mod_inputs = mine.mod_inputs.topLeftCorner(
+                  Flex::kParameters ? rows : 0, Flex::kParameters ? cols : 0);
               if constexpr (Flex::kActive) {
                 if (flex_tile) {
                   if constexpr (Flex::kScoreMod) {
-                    flex.differentiate_scores(b, h, i0, j0, probs, mod_derivatives);
+                    flex.differentiate_scores(b, h, i0, j0, probs, mod_derivatives, mod_inputs);
                   }
                   if (masks_apart) probs += mask_tile;
                   flex.mask(b, h, i0, j0, cover, probs);
@@ -673,6 +676,10 @@ void attention_flash_backward(Index batch, Index heads, const HeadLayout<const T
               }
               grad_scores.array() = probs.array() * (grad_scores.array().colwise() -
                                                      mine.row_dot.segment(i0, rows).array());
+              if constexpr (Flex::kParameters) {
+                if (flex_tile)
+                  flex.accumulate_parameters(task, b, h, i0, j0, grad_scores, mod_inputs);
+              }
               options.softcap_backward(grad_scores, mine.capped);
               if constexpr (Flex::kScoreMod) {
                 if (flex_tile) grad_scores.array() *= mod_derivatives.array();

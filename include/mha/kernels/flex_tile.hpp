@@ -43,6 +43,7 @@ namespace mha::detail {
 struct NoFlex {
   static constexpr bool kActive = false;
   static constexpr bool kScoreMod = false;
+  static constexpr bool kParameters = false;
   static bool may_block(BlockCover /*cover*/) { return false; }
 };
 
@@ -57,14 +58,35 @@ struct HasRowForm<ScoreMod, T,
                       std::declval<ScoreRow<T>>(), Index{}, Index{}, Index{}, Index{}))>>
     : std::true_type {};
 
+// Whether a score_mod has learned parameters: P = score_mod.parameter_count() of them, and
+// score_mod.accumulate_gradient(gradient, grad_score, score, b, h, q_idx, kv_idx), which adds to
+// gradient [P] what one pair's grad_score (the loss's derivative with respect to the score_mod's
+// result) gives its parameters, score being its input.
+template <class ScoreMod, class T, class = void>
+struct HasParameters : std::false_type {};
+template <class ScoreMod, class T>
+struct HasParameters<
+    ScoreMod, T,
+    std::void_t<decltype(std::declval<const ScoreMod&>().parameter_count()),
+                decltype(std::declval<const ScoreMod&>().accumulate_gradient(
+                    std::declval<T*>(), T{}, T{}, Index{}, Index{}, Index{}, Index{}))>>
+    : std::true_type {};
+
 // ScoreMod: score_mod(score, b, h, q_idx, kv_idx) -> the new score; Mask: a BlockMask (null for
 // none), whose cover() answers for a tile, whose blocks say where its mask_mod must be called.
-template <class ScoreMod, class Mask>
+// T: the scores' type.
+template <class T, class ScoreMod, class Mask>
 struct FlexTile {
   static constexpr bool kActive = true;
   static constexpr bool kScoreMod = !std::is_same_v<ScoreMod, NoScoreMod>;
+  static constexpr bool kParameters = HasParameters<ScoreMod, T>::value;
   const ScoreMod* score_mod = nullptr;
   const Mask* block_mask = nullptr;  // null: every pair visible
+  // With learned parameters, the backward's gradients of them: [tasks, P], a row per task of the
+  // backward (batch element and key/value head), summed in task order afterwards so that the
+  // result does not depend on the threads.
+  T* parameter_gradients = nullptr;
+  Index parameter_count = 0;
 
   BlockCover cover(Index b, Index h, Index i0, Index rows, Index j0, Index cols) const {
     return block_mask == nullptr ? BlockCover::full : block_mask->cover(b, h, i0, rows, j0, cols);
@@ -76,7 +98,6 @@ struct FlexTile {
   // form, else a call per score.
   template <class Tile>
   void modify_scores(Index b, Index h, Index i0, Index j0, Tile& scores) const {
-    using T = typename Tile::Scalar;
     if constexpr (kScoreMod) {
       for (Index r = 0; r < scores.rows(); ++r) {
         T* row = scores.row(r).data();
@@ -91,11 +112,12 @@ struct FlexTile {
   }
 
   // The same, called with Dual numbers (mha/dual.hpp) for the backward: derivatives [rows, cols]
-  // receives d score_mod / d score of each.
-  template <class Tile, class Derivatives>
+  // receives d score_mod / d score of each, and inputs (with learned parameters) the scores the
+  // score_mod was given.
+  template <class Tile, class Derivatives, class Inputs>
   void differentiate_scores(Index b, Index h, Index i0, Index j0, Tile& scores,
-                            Derivatives& derivatives) const {
-    using T = typename Tile::Scalar;
+                            Derivatives& derivatives, Inputs& inputs) const {
+    if constexpr (kParameters) inputs = scores;
     static_assert(
         std::is_invocable_r_v<Dual<T>, const ScoreMod&, Dual<T>, Index, Index, Index, Index>,
         "the backward differentiates score_mod by calling it with a Dual<T> (mha/dual.hpp): make "
@@ -109,11 +131,28 @@ struct FlexTile {
     }
   }
 
+  // grad_scores [rows, cols], the loss's derivatives with respect to the score_mod's results, into
+  // the learned parameters' gradient of this task.
+  template <class Grad, class Inputs>
+  void accumulate_parameters(Index task, Index b, Index h, Index i0, Index j0,
+                             const Grad& grad_scores, const Inputs& inputs) const {
+    if constexpr (kParameters) {
+      T* gradient = parameter_gradients + task * parameter_count;
+      for (Index r = 0; r < grad_scores.rows(); ++r) {
+        for (Index c = 0; c < grad_scores.cols(); ++c) {
+          if (grad_scores(r, c) != T(0)) {
+            score_mod->accumulate_gradient(gradient, grad_scores(r, c), inputs(r, c), b, h, i0 + r,
+                                           j0 + c);
+          }
+        }
+      }
+    }
+  }
+
   // The pairs the block mask hides become -inf, block by block of it: nothing in its full
   // blocks, all of its empty ones, and in its partial ones where the mask_mod says so.
   template <class Tile>
   void mask(Index b, Index h, Index i0, Index j0, BlockCover cover, Tile& scores) const {
-    using T = typename Tile::Scalar;
     constexpr T kBlocked = -std::numeric_limits<T>::infinity();
     if (block_mask == nullptr || cover == BlockCover::full) return;
     const Index query_block = block_mask->query_block(), key_block = block_mask->key_block();
