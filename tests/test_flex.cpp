@@ -26,7 +26,7 @@ namespace {
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
 // Sizes that span several of the flash kernel's tiles (96 queries × 256 keys forward, 96 × 192
-// backward) and several block-mask blocks, with tiles cut short at the ends.
+// backward) and several block-mask blocks, with tiles cut short at the ends (by default).
 struct Shape4 {
   Index batch = 2, heads = 3, query_len = 300, key_len = 300, head_dim = 16;
 };
@@ -186,9 +186,7 @@ TEST_CASE("flex: each provided mask_mod equals its written-out mask, forward and
 }
 
 TEST_CASE("flex: a mask_mod may read b and h (built per batch element and head)", "[flex]") {
-  Shape4 s;
-  s.query_len = 130;
-  s.key_len = 270;
+  const Shape4 s{2, 3, 130, 270};
   const std::vector<Index> lengths{270, 101};  // key padding per batch element
   const auto mask_mod = [lengths](Index b, Index h, Index i, Index j) {
     return j < lengths[static_cast<std::size_t>(b)] && (h != 1 || j <= i);
@@ -271,12 +269,7 @@ TEST_CASE("flex: score_mods equal the built-in options they re-express", "[flex]
 
 TEST_CASE("flex: a user's score_mod differentiates by Dual numbers: finite differences",
           "[flex][backward]") {
-  Shape4 s;
-  s.batch = 1;
-  s.heads = 2;
-  s.query_len = 9;
-  s.key_len = 11;
-  s.head_dim = 4;
+  const Shape4 s{1, 2, 9, 11, 4};
   Inputs<double> in(s, 41);
   // Nonlinear in the score, and reading every index.
   const auto score_mod = [](auto score, Index b, Index h, Index q_idx, Index kv_idx) {
@@ -306,10 +299,7 @@ TEST_CASE("flex: a user's score_mod differentiates by Dual numbers: finite diffe
 TEST_CASE("flex: learned parameters of a score_mod get their gradient", "[flex][backward]") {
   // A relative-position bias table and learned ALiBi slopes: forward and input gradients against
   // the bias written out densely; the parameters' gradients against central differences.
-  Shape4 s;
-  s.heads = 2;
-  s.query_len = 130;
-  s.key_len = 150;
+  const Shape4 s{2, 2, 130, 150};
   const Index reach = 40, width = 2 * reach + 1;
   Inputs<double> in(s, 91);
   mha::mods::RelativeBias<double> bias{
@@ -403,11 +393,7 @@ TEST_CASE("flex: block masks equal a brute-force evaluation, broadcast and count
 
 TEST_CASE("flex: the kernel visits only the key blocks a band needs, and masks partial blocks only",
           "[flex]") {
-  Shape4 s;
-  s.batch = 1;
-  s.heads = 1;
-  s.query_len = 700;
-  s.key_len = 700;
+  const Shape4 s{1, 1, 700, 700};
   const Inputs<float> in(s, 51);
   std::atomic<long> mask_calls{0}, score_calls{0};
   const auto mask_mod = [&mask_calls](Index, Index, Index i, Index j) {
