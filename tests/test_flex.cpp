@@ -506,6 +506,15 @@ TEST_CASE("flex: refusals name the argument", "[flex][errors]") {
   CHECK(mha_test::contains(
       mha_test::message_of<std::invalid_argument>([] { mha::mods::neighbourhood_2d(4, 4, 5, 3); }),
       "kernel_height"));
+  // A divisor of zero, refused when the block mask first calls the mask_mod.
+  const auto divisor_refused = [](const auto& mask_mod) {
+    return mha_test::message_of<std::invalid_argument>(
+        [&] { mha::create_block_mask(mask_mod, 1, 1, 10, 10); });
+  };
+  CHECK(mha_test::contains(divisor_refused(mha::mods::Chunked{0, 0}),
+                           "Chunked::size: must be at least 1, got 0"));
+  CHECK(mha_test::contains(divisor_refused(mha::mods::Strided{0, 0}), "Strided::stride"));
+  CHECK(mha_test::contains(divisor_refused(mha::mods::Dilated{3, 0, 0}), "Dilated::dilation"));
   CHECK(mha_test::contains(mha_test::message_of<std::invalid_argument>([] {
                              mha::mods::document({0, 5, 3});
                            }),

@@ -26,6 +26,12 @@ inline Index aligned_offset(Alignment alignment, Index query_len, Index key_len)
   return alignment == Alignment::bottom_right ? key_len - query_len : 0;
 }
 
+// A divisor of zero (a chunk, a dilation, a stride) is refused where the mask_mod is first
+// called, which create_block_mask does for every pair before any kernel runs.
+[[noreturn]] inline void throw_not_positive(const char* argument, Index value) {
+  detail::throw_argument(argument, "must be at least 1, got " + std::to_string(value));
+}
+
 // --- mask_mods: (b, h, q_idx, kv_idx) -> visible ---------------------------------------------
 
 // Causal: key kv_idx visible to the query at c when kv_idx <= c.
@@ -59,6 +65,7 @@ struct Chunked {
   Index size = 1;
   Index offset = 0;
   bool operator()(Index /*b*/, Index /*h*/, Index q_idx, Index kv_idx) const {
+    if (size < 1) throw_not_positive("Chunked::size", size);
     return floor_div(q_idx + offset) == floor_div(kv_idx);
   }
   Index floor_div(Index position) const {
@@ -72,6 +79,7 @@ struct Dilated {
   Index dilation = 1;
   Index offset = 0;
   bool operator()(Index /*b*/, Index /*h*/, Index q_idx, Index kv_idx) const {
+    if (dilation < 1) throw_not_positive("Dilated::dilation", dilation);
     const Index distance = q_idx + offset - kv_idx;
     return std::abs(distance) <= reach && distance % dilation == 0;
   }
@@ -163,6 +171,7 @@ struct Strided {
   Index stride = 1;
   Index offset = 0;
   bool operator()(Index /*b*/, Index /*h*/, Index q_idx, Index kv_idx) const {
+    if (stride < 1) throw_not_positive("Strided::stride", stride);
     return (q_idx + offset - kv_idx) % stride == 0;
   }
 };
