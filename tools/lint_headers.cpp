@@ -12,6 +12,7 @@
 #include "mha/errors.hpp"
 #include "mha/finite.hpp"
 #include "mha/flex.hpp"
+#include "mha/flex_decode.hpp"
 #include "mha/frozen.hpp"
 #include "mha/heads.hpp"
 #include "mha/heatmap.hpp"
@@ -98,4 +99,17 @@ mha::AttentionGradients<float> lint_flex_attention(const mha::Tensor<float>& q) 
   (void)mha::flex_attention_backward(q, q, q, result, q, alibi, mask);
   const auto chained = mha::flex_attention(q, q, q, chain);
   return mha::flex_attention_backward(q, q, q, chained, q, chain);
+}
+
+// flex_decode with a mask_mod over a KVCache and a block mask over a paged cache, so that
+// clang-tidy reads the decoding kernel's flex paths.
+mha::Tensor<float> lint_flex_decode(const mha::MultiHeadAttention<float>& layer,
+                                    const mha::Tensor<float>& x) {
+  auto cache = layer.make_kv_cache(x.dim(0), 64);
+  const mha::mods::Softcap<float> softcap{5.0F};
+  (void)mha::flex_decode(layer, x, cache, softcap, mha::mods::SlidingWindow{8, 0});
+  auto paged = layer.make_paged_kv_cache(48, 4);
+  const mha::Index sequence = paged.add_sequence();
+  const auto mask = mha::create_block_mask(mha::mods::causal(), 1, 1, 64, 64);
+  return mha::flex_decode(layer, x, paged, {sequence}, mha::no_score_mod, mask).output;
 }

@@ -119,18 +119,20 @@ inline Kernel resolve_kernel(Kernel requested, bool need_weights) {
 // reference kernel that mixes heads), whatever `kernel` says: callers refuse flash before.
 // The flash kernel, then the sinks' correction of its rows (kernels/sinks.hpp), which needs
 // their log-sum-exp: the caller's buffer, or one of this call's.
-template <class T, class Stored>
+template <class T, class Stored, class Flex = NoFlex>
 void attention_flash_with_sinks(Index batch, Index heads, const HeadLayout<const T>& q,
                                 const HeadLayout<const Stored>& k,
                                 const HeadLayout<const Stored>& v, const HeadLayout<T>& out,
                                 const CoreOptions<T>& options,
-                                std::vector<KernelScratch<T>>& scratch, T* logsumexp) {
+                                std::vector<KernelScratch<T>>& scratch, T* logsumexp,
+                                const Flex& flex = {}) {
   std::vector<T> own_logsumexp;
   if (options.sinks != nullptr && logsumexp == nullptr) {
     own_logsumexp.resize(static_cast<std::size_t>(batch * heads * q.rows));
     logsumexp = own_logsumexp.data();
   }
-  attention_flash<T, Stored>(batch, heads, q, k, v, out, options, scratch, logsumexp);
+  attention_flash<T, Stored>(batch, heads, q, k, v, out, options, scratch, logsumexp, FlashBlocks{},
+                             flex);
   if (options.sinks != nullptr) apply_sinks(batch, heads, out, logsumexp, options.sinks);
 }
 

@@ -116,6 +116,21 @@ class BlockMask {
             key_blocks_ +
         key_block_index)];
   }
+  // Decoding (flex_decode.hpp): a step of `batch` sequences of `heads` query heads whose longest
+  // reaches `positions` cache rows needs a block mask built for at least that many queries and
+  // keys, and a batch and heads of 1 or the step's.
+  void check_decoding(Index batch, Index heads, Index positions) const {
+    if (query_len_ < positions || key_len_ < positions || (batch_ != 1 && batch_ != batch) ||
+        (heads_ != 1 && heads_ != heads)) {
+      detail::throw_shape("block_mask",
+                          "[" + std::to_string(batch) + " or 1, " + std::to_string(heads) +
+                              " or 1, at least " + std::to_string(positions) + ", at least " +
+                              std::to_string(positions) +
+                              "] (the step's sequences, query heads, and rows of its longest "
+                              "sequence's cache)",
+                          Shape{batch_, heads_, query_len_, key_len_});
+    }
+  }
   // How many blocks of the whole mask have each cover.
   Index count(BlockCover cover) const {
     return static_cast<Index>(std::count(cells_.begin(), cells_.end(), cover));

@@ -85,6 +85,10 @@ namespace mha {
 
 template <class T>
 class FrozenMultiHeadAttention;
+namespace detail {
+template <class T>
+struct FlexDecoding;
+}  // namespace detail
 
 template <class T>
 class MultiHeadAttention {
@@ -398,6 +402,7 @@ class MultiHeadAttention {
 
  private:
   friend class FrozenMultiHeadAttention<T>;  // forwards with its packed weights (mha/frozen.hpp)
+  friend struct detail::FlexDecoding<T>;     // decodes with a user's mods (mha/flex.hpp)
   static constexpr std::uint64_t kDropoutSeedSalt = 0xD409A7E5EEDull;
 
   detail::LayerParameters<T> parameters_;

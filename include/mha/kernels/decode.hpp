@@ -20,6 +20,11 @@
 // kv_stride elements (blocks) apart, in one buffer or, for a paged cache (paged_kv_cache.hpp), in
 // pages of a pool that the sequence's page table names (DecodeSequence); query head h reads
 // key/value head h / G.
+//
+// User mods (flex.hpp's flex_decode; Flex as the flash kernel's, kernels/flex_tile.hpp) see
+// sequence b of the step as batch element b and its query i as row S_b - n_b + i of its cache
+// (q_idx), the keys as rows of the cache (kv_idx). A chunk whose block-mask cover is empty for
+// every row is not read.
 #pragma once
 
 #include <algorithm>
@@ -34,6 +39,7 @@
 #include "mha/kernels/decode_products.hpp"
 #include "mha/kernels/decode_q4.hpp"
 #include "mha/kernels/flash.hpp"
+#include "mha/kernels/flex_tile.hpp"
 #include "mha/kernels/quantized_cache.hpp"
 
 namespace mha::detail {
@@ -86,6 +92,7 @@ struct DecodeSequence {
   // of kDecodePageGrain. 0: the sequence's rows in order from keys and values.
   const Index* page_table = nullptr;
   Index page_rows = 0;
+  Index batch_index = 0;  // the sequence's place in its step: user mods' b (flex.hpp)
 
   // Key (value) row j, rows `stride` elements (blocks) apart.
   const Stored* key_row(Index j, Index stride) const { return keys + pool_row(j) * stride; }
@@ -173,9 +180,10 @@ constexpr Index kPartialHeader = 2;
 // multiplying the group's queries packed once per task, since packing the keys instead would
 // transpose each of them; and acc += P V, the probabilities' rows multiplying the cache's value
 // rows as they are), and otherwise by dot products and weighted sums a row at a time.
-template <class Stored>
-void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, Index c0, Index cols,
-                 const CoreOptions<float>& options, KernelScratch<float>& mine, float* partial) {
+template <class Stored, class Flex>
+void decode_task(const DecodeSequence<Stored>& seq, Index b, const DecodeShape& shape, Index c0,
+                 Index cols, const CoreOptions<float>& options, const Flex& flex,
+                 KernelScratch<float>& mine, float* partial) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   using S = PackedGemmShape;
   const Index n = seq.query_count, rows = shape.heads * n;
@@ -251,9 +259,31 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
                group_rows, mine.packed_queries.data() + g * query_panels * depth);
     }
   }
-  const auto visible = [&](Index r) {
-    return options.may_see(r / n, n, r % n, r % n, c0, c0 + cols);
+  // Row r's cover of the chunk by the user's mask (full without one).
+  const auto flex_cover = [&](Index r) {
+    if constexpr (Flex::kActive) {
+      return flex.cover(b, r / n, seq.key_count - n + r % n, 1, c0, cols);
+    } else {
+      arguments_unused(r, b);
+      return BlockCover::full;
+    }
   };
+  const auto visible = [&](Index r) {
+    return options.may_see(r / n, n, r % n, r % n, c0, c0 + cols) &&
+           flex_cover(r) != BlockCover::empty;
+  };
+  if constexpr (Flex::kActive) {
+    // A chunk no row sees is never read: every row's state says so.
+    bool any_visible = false;
+    for (Index r = 0; r < rows && !any_visible; ++r) any_visible = visible(r);
+    if (!any_visible) {
+      for (Index r = 0; r < rows; ++r) {
+        partial[r * partial_width] = kNegInf;
+        partial[r * partial_width + 1] = 0.0F;
+      }
+      return;
+    }
+  }
   // Whether row r's scores need masks() here: ALiBi, a window, or causal masking that hides some
   // of the chunk's keys from it (a step's earlier queries). A one-token step sees every key.
   const auto needs_masks = [&](Index r) {
@@ -469,11 +499,17 @@ void decode_task(const DecodeSequence<Stored>& seq, const DecodeShape& shape, In
     if (options.softcap > 0.0F) {
       row = (options.softcap * (row.array() / options.softcap).tanh()).matrix();
     }
+    // The user's score_mod, then the built-in masks, then the user's mask (the flash kernel's
+    // order).
+    Eigen::Map<Matrix<float>> row_tile(row.data(), 1, cols);
+    const Index q_idx = seq.key_count - n + r % n;
+    if constexpr (Flex::kActive) flex.modify_scores(b, r / n, q_idx, c0, row_tile);
     if (needs_masks(r)) {
       Eigen::Map<Matrix<float>> mask_tile(mine.exps.data(), 1, cols);
       options.masks(0, r / n, n, r % n, c0, mask_tile);
       row += mask_tile;
     }
+    if constexpr (Flex::kActive) flex.mask(b, r / n, q_idx, c0, flex_cover(r), row_tile);
     const float row_max = row.maxCoeff();
     if (row_max == kNegInf) {
       // No visible key here; a NaN score must still reach the output (as the flash kernel's),
@@ -590,10 +626,11 @@ inline void merge_partials(const float* first, Index chunks, Index chunk_stride,
 // The step's attention for every sequence (see the top). options holds the scale, causal
 // masking (bottom-right), the window, ALiBi slopes and softcap, as decode_kernel_applies
 // allows; its causal_cols is set here per sequence.
-template <class Stored>
+template <class Stored, class Flex = NoFlex>
 void decode_attention(const std::vector<DecodeSequence<Stored>>& sequences,
                       const DecodeShape& shape, const CoreOptions<float>& options,
-                      std::vector<KernelScratch<float>>& scratch, DecodeScratch& buffers) {
+                      std::vector<KernelScratch<float>>& scratch, DecodeScratch& buffers,
+                      const Flex& flex = {}) {
   const auto batch = static_cast<Index>(sequences.size());
   const Index partial_width = kPartialHeader + shape.value_dim;
   const auto chunks_of = [](const DecodeSequence<Stored>& seq) {
@@ -625,6 +662,7 @@ void decode_attention(const std::vector<DecodeSequence<Stored>>& sequences,
   const Index* const partial_begin = buffers.partial_begin.data();
 
   scratch_for_threads(scratch);
+  TaskExceptions<Flex::kActive> task_exceptions;  // a user's mod may throw
   MHA_OMP_PRAGMA(omp parallel if (worth_threads(tasks, work))) {
     // This thread's buffers: resized only when the shapes change, never inside the task loop.
     KernelScratch<float>& mine = scratch[static_cast<std::size_t>(thread_index())];
@@ -658,11 +696,14 @@ void decode_attention(const std::vector<DecodeSequence<Stored>>& sequences,
       const Index b = std::upper_bound(task_begin, task_begin + batch + 1, task) - task_begin - 1;
       const auto& seq = sequences[static_cast<std::size_t>(b)];
       const Index chunk = task - task_begin[b], c0 = chunk * kDecodeChunk;
-      CoreOptions<float> sequence_options = options;
-      sequence_options.causal_cols = seq.key_count;
-      decode_task(
-          seq, shape, c0, std::min(kDecodeChunk, seq.key_count - c0), sequence_options, mine,
-          partials + partial_begin[b] + chunk * shape.heads * seq.query_count * partial_width);
+      task_exceptions.run([&] {
+        CoreOptions<float> sequence_options = options;
+        sequence_options.causal_cols = seq.key_count;
+        decode_task(
+            seq, seq.batch_index, shape, c0, std::min(kDecodeChunk, seq.key_count - c0),
+            sequence_options, flex, mine,
+            partials + partial_begin[b] + chunk * shape.heads * seq.query_count * partial_width);
+      });
     }
     // Each (sequence, query head)'s rows merged by one thread.
     MHA_OMP_PRAGMA(omp for schedule(static))
@@ -679,6 +720,7 @@ void decode_attention(const std::vector<DecodeSequence<Stored>>& sequences,
       }
     }
   }
+  task_exceptions.rethrow();
 }
 
 }  // namespace mha::detail

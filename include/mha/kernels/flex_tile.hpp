@@ -87,9 +87,20 @@ struct FlexTile {
   // result does not depend on the threads.
   T* parameter_gradients = nullptr;
   Index parameter_count = 0;
+  // What the kernel's batch element 0 and query row 0 are to the mods: a decoding step runs the
+  // flash kernel on one sequence's new queries, sequence `batch_offset` of the step, whose first
+  // new query is row `query_offset` of its cache.
+  Index batch_offset = 0, query_offset = 0;
 
   BlockCover cover(Index b, Index h, Index i0, Index rows, Index j0, Index cols) const {
-    return block_mask == nullptr ? BlockCover::full : block_mask->cover(b, h, i0, rows, j0, cols);
+    return block_mask == nullptr
+               ? BlockCover::full
+               : block_mask->cover(b + batch_offset, h, i0 + query_offset, rows, j0, cols);
+  }
+  // A decoding step of `batch` sequences of `heads` query heads whose longest reaches `positions`
+  // cache rows: refused (ShapeError) where the block mask does not reach so far.
+  void check_decoding(Index batch, Index heads, Index positions) const {
+    if (block_mask != nullptr) block_mask->check_decoding(batch, heads, positions);
   }
   // Whether the tile may hold -inf after mask() (a score_mod may also return it).
   bool may_block(BlockCover cover) const { return kScoreMod || cover != BlockCover::full; }
@@ -99,6 +110,8 @@ struct FlexTile {
   template <class Tile>
   void modify_scores(Index b, Index h, Index i0, Index j0, Tile& scores) const {
     if constexpr (kScoreMod) {
+      b += batch_offset;
+      i0 += query_offset;
       for (Index r = 0; r < scores.rows(); ++r) {
         T* row = scores.row(r).data();
         if constexpr (HasRowForm<ScoreMod, T>::value) {
@@ -117,6 +130,8 @@ struct FlexTile {
   template <class Tile, class Derivatives, class Inputs>
   void differentiate_scores(Index b, Index h, Index i0, Index j0, Tile& scores,
                             Derivatives& derivatives, Inputs& inputs) const {
+    b += batch_offset;
+    i0 += query_offset;
     if constexpr (kParameters) inputs = scores;
     static_assert(
         std::is_invocable_r_v<Dual<T>, const ScoreMod&, Dual<T>, Index, Index, Index, Index>,
@@ -137,6 +152,8 @@ struct FlexTile {
   void accumulate_parameters(Index task, Index b, Index h, Index i0, Index j0,
                              const Grad& grad_scores, const Inputs& inputs) const {
     if constexpr (kParameters) {
+      b += batch_offset;
+      i0 += query_offset;
       T* gradient = parameter_gradients + task * parameter_count;
       for (Index r = 0; r < grad_scores.rows(); ++r) {
         for (Index c = 0; c < grad_scores.cols(); ++c) {
@@ -155,6 +172,8 @@ struct FlexTile {
   void mask(Index b, Index h, Index i0, Index j0, BlockCover cover, Tile& scores) const {
     constexpr T kBlocked = -std::numeric_limits<T>::infinity();
     if (block_mask == nullptr || cover == BlockCover::full) return;
+    b += batch_offset;
+    i0 += query_offset;
     const Index query_block = block_mask->query_block(), key_block = block_mask->key_block();
     const Index i_end = i0 + scores.rows(), j_end = j0 + scores.cols();
     for (Index r0 = i0, r1 = 0; r0 < i_end; r0 = r1) {

@@ -6,6 +6,7 @@
 // forward over the whole sequence, for the new tokens.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <type_traits>
@@ -52,6 +53,27 @@ struct Decoding {
     }
     Paged steps{cache, sequences};
     return run(parameters, x, steps, options, new_tokens, packed);
+  }
+  // The same two steps with a user's mods (flex.hpp's flex_decode).
+  template <class Flex>
+  static ForwardResult<T> flex_step(const LayerParameters<T>& parameters,
+                                    const TensorView<const T>& x, KVCache<T>& cache,
+                                    const ForwardOptions<T>& options,
+                                    const std::vector<Index>& new_tokens, const Flex& flex) {
+    Contiguous steps{cache};
+    return run(parameters, x, steps, options, new_tokens, nullptr, flex);
+  }
+  template <class Flex>
+  static ForwardResult<T> flex_step(const LayerParameters<T>& parameters,
+                                    const TensorView<const T>& x, PagedKVCache<T>& cache,
+                                    const std::vector<Index>& sequences,
+                                    const ForwardOptions<T>& options,
+                                    const std::vector<Index>& new_tokens, const Flex& flex) {
+    if (sequences.empty()) {
+      throw_argument("sequences", "expected at least one sequence id, got none");
+    }
+    Paged steps{cache, sequences};
+    return run(parameters, x, steps, options, new_tokens, nullptr, flex);
   }
   // A cross-attention step: x's queries attend to every row of `memory`'s sequences, which
   // encode filled, appending nothing.
@@ -191,15 +213,16 @@ struct Decoding {
     void add_to_kernel(Index b, const float* queries, float* attended, Index count, Index keys) {
       const Index start = starts[static_cast<std::size_t>(b)];
       if (cache.format() == KVCacheFormat::q8) {
-        cache.step_.q8_sequences.push_back(
-            {queries, attended, cache.template block_row<Q8Block>(false, b, start),
-             cache.template block_row<Q8Block>(true, b, start), count, keys});
+        enlist(cache.step_.q8_sequences, b,
+               {queries, attended, cache.template block_row<Q8Block>(false, b, start),
+                cache.template block_row<Q8Block>(true, b, start), count, keys});
       } else if (cache.format() == KVCacheFormat::q4) {
-        cache.step_.q4_sequences.push_back(
-            {queries, attended, cache.template block_row<Q4Block>(false, b, start),
-             cache.template block_row<Q4Block>(true, b, start), count, keys});
+        enlist(cache.step_.q4_sequences, b,
+               {queries, attended, cache.template block_row<Q4Block>(false, b, start),
+                cache.template block_row<Q4Block>(true, b, start), count, keys});
       } else {
-        cache.step_.sequences.push_back(
+        enlist(
+            cache.step_.sequences, b,
             {queries, attended, cache.key_row(b, start), cache.value_row(b, start), count, keys});
       }
     }
@@ -334,16 +357,17 @@ struct Decoding {
       const Index* table = cache.page_table(id(b)).data();
       const Index page = cache.page_size();
       if (cache.format() == KVCacheFormat::q8) {
-        cache.step_.q8_sequences.push_back({queries, attended, cache.stored_.q8_keys.data(),
-                                            cache.stored_.q8_values.data(), count, keys, table,
-                                            page});
+        enlist(cache.step_.q8_sequences, b,
+               {queries, attended, cache.stored_.q8_keys.data(), cache.stored_.q8_values.data(),
+                count, keys, table, page});
       } else if (cache.format() == KVCacheFormat::q4) {
-        cache.step_.q4_sequences.push_back({queries, attended, cache.stored_.q4_keys.data(),
-                                            cache.stored_.q4_values.data(), count, keys, table,
-                                            page});
+        enlist(cache.step_.q4_sequences, b,
+               {queries, attended, cache.stored_.q4_keys.data(), cache.stored_.q4_values.data(),
+                count, keys, table, page});
       } else {
-        cache.step_.sequences.push_back({queries, attended, cache.stored_.keys.data(),
-                                         cache.stored_.values.data(), count, keys, table, page});
+        enlist(cache.step_.sequences, b,
+               {queries, attended, cache.stored_.keys.data(), cache.stored_.values.data(), count,
+                keys, table, page});
       }
     }
 
@@ -399,6 +423,14 @@ struct Decoding {
     }
   };
 
+  // Sequence b of a step into the decoding kernel's list of its cache's format.
+  template <class Stored>
+  static void enlist(std::vector<DecodeSequence<Stored>>& list, Index b,
+                     DecodeSequence<Stored> sequence) {
+    sequence.batch_index = b;
+    list.push_back(sequence);
+  }
+
   // Where each sequence's rows of a step are in x: padded ([B, n, E], row b·n on) or packed
   // (ForwardOptions::cu_seqlens, [T, E], row cu_seqlens[b] on).
   struct StepRows {
@@ -421,20 +453,21 @@ struct Decoding {
                         const Steps& steps, const ForwardOptions<T>& options,
                         const std::vector<Index>& new_tokens);
 
-  template <class Steps>
+  // flex: a user's mods (flex.hpp's flex_decode; NoFlex for none), as the flash kernel takes them.
+  template <class Steps, class Flex = NoFlex>
   static ForwardResult<T> run(const LayerParameters<T>& parameters, const TensorView<const T>& x,
                               Steps& steps, const ForwardOptions<T>& options,
-                              const std::vector<Index>& new_tokens,
-                              const PackedProjections* packed);
+                              const std::vector<Index>& new_tokens, const PackedProjections* packed,
+                              const Flex& flex = {});
 };
 
 template <class T>
-template <class Steps>
+template <class Steps, class Flex>
 ForwardResult<T> Decoding<T>::run(const LayerParameters<T>& parameters,
                                   const TensorView<const T>& x, Steps& steps,
                                   const ForwardOptions<T>& options,
                                   const std::vector<Index>& new_tokens,
-                                  const PackedProjections* packed) {
+                                  const PackedProjections* packed, const Flex& flex) {
   const Index heads = parameters.num_heads(), head_dim = parameters.head_dim();
   const Index width = parameters.kv_dim(), inner = parameters.inner_dim();
   const Index batch = steps.batch();
@@ -457,6 +490,18 @@ ForwardResult<T> Decoding<T>::run(const LayerParameters<T>& parameters,
     return projection_route(packed, arithmetic, buffers.bf16, buffers.int8, which);
   };
   const Kernel kernel = layer_kernel(parameters, options.kernel, false);
+  if constexpr (Flex::kActive) {
+    if (kernel != Kernel::flash) {
+      throw_argument("options.kernel",
+                     "user mods run in the flash kernel, which this layer (talking heads) or these "
+                     "options (Kernel::reference) do not use");
+    }
+    Index longest = 0;
+    for (Index b = 0; b < batch; ++b) {
+      longest = std::max(longest, steps.length(b) + step_rows.count(b));
+    }
+    flex.check_decoding(batch, parameters.num_heads(), longest);
+  }
   const Index rotary_dim = options.rope ? checked_rotary_dim(*options.rope, head_dim) : 0;
   CoreOptions<Compute> core;
   core.scale = Compute(1) / std::sqrt(static_cast<Compute>(head_dim));
@@ -491,65 +536,94 @@ ForwardResult<T> Decoding<T>::run(const LayerParameters<T>& parameters,
   if constexpr (std::is_same_v<Compute, float>) {
     batched = kernel == Kernel::flash && !options.pattern.active() && decode_kernel_applies(core);
   }
-  buffers.sequences.clear();
-  buffers.q8_sequences.clear();
-  buffers.q4_sequences.clear();
-  for (Index b = 0; b < batch; ++b) {
-    const Index count = step_rows.count(b), first = step_rows.first(b);
-    if (count == 0) continue;
-    Compute* queries = buffers.queries.data() + first * inner;
-    Compute* keys = appends ? buffers.new_keys.data() + first * width : nullptr;
-    Compute* values = appends ? buffers.new_values.data() + first * width : nullptr;
-    if (appends) steps.keep_sinks(b, count, keys, values);
-    if (options.rope) {
-      buffers.rope_table.fill(*options.rope, rotary_dim, steps.position(b), count);
-      rotate_heads(queries, count, inner, heads, head_dim, buffers.rope_table, false);
-      rotate_heads(keys, count, width, parameters.num_kv_heads(), head_dim, buffers.rope_table,
-                   false);
-    }
-    const Index total_keys = steps.append(b, count, keys, values);
-    Compute* attended = buffers.attended.data() + first * inner;
-    if constexpr (std::is_same_v<Compute, float>) {
-      if (batched && count < kPanelsMinQueries) {
-        // (advance() moves no rows: these stay where they are until the kernel has run.)
-        steps.add_to_kernel(b, queries, attended, count, total_keys);
+  // A user's mod may throw inside the kernels: the exception goes on, and each sequence the step
+  // reached keeps its tokens, settled as after a step (its length says which).
+  const auto settle = [&] {
+    for (Index b = 0; b < batch; ++b) steps.settle(b, options, rotary_dim);
+  };
+  try {
+    buffers.sequences.clear();
+    buffers.q8_sequences.clear();
+    buffers.q4_sequences.clear();
+    for (Index b = 0; b < batch; ++b) {
+      const Index count = step_rows.count(b), first = step_rows.first(b);
+      if (count == 0) continue;
+      Compute* queries = buffers.queries.data() + first * inner;
+      Compute* keys = appends ? buffers.new_keys.data() + first * width : nullptr;
+      Compute* values = appends ? buffers.new_values.data() + first * width : nullptr;
+      if (appends) steps.keep_sinks(b, count, keys, values);
+      if (options.rope) {
+        buffers.rope_table.fill(*options.rope, rotary_dim, steps.position(b), count);
+        rotate_heads(queries, count, inner, heads, head_dim, buffers.rope_table, false);
+        rotate_heads(keys, count, width, parameters.num_kv_heads(), head_dim, buffers.rope_table,
+                     false);
+      }
+      const Index total_keys = steps.append(b, count, keys, values);
+      Compute* attended = buffers.attended.data() + first * inner;
+      if constexpr (std::is_same_v<Compute, float>) {
+        if (batched && count < kPanelsMinQueries) {
+          // (advance() moves no rows: these stay where they are until the kernel has run.)
+          steps.add_to_kernel(b, queries, attended, count, total_keys);
+          steps.advance(b, count);
+          continue;
+        }
+      }
+      core.causal_cols = total_keys;
+      core.pattern =
+          checked_pattern(options.pattern, heads, count, total_keys, Alignment::bottom_right);
+      const auto queries_layout =
+          parameters.template head_layout<const Compute>(queries, count, inner);
+      const auto attended_layout = parameters.head_layout(attended, count, inner);
+      const auto attend = [&](const auto* cached_keys, const auto* cached_values) {
+        using Stored = std::remove_const_t<std::remove_pointer_t<decltype(cached_keys)>>;
+        const auto keys_layout =
+            parameters.template kv_head_layout<const Stored>(cached_keys, total_keys, width);
+        const auto values_layout =
+            parameters.template kv_head_layout<const Stored>(cached_values, total_keys, width);
+        if constexpr (Flex::kActive) {
+          // The mods see this sequence as batch element b, its queries from row total_keys - count.
+          Flex sequence_flex = flex;
+          sequence_flex.batch_offset = b;
+          sequence_flex.query_offset = total_keys - count;
+          attention_flash_with_sinks<Compute, Stored>(1, heads, queries_layout, keys_layout,
+                                                      values_layout, attended_layout, core,
+                                                      buffers.kernel, nullptr, sequence_flex);
+        } else {
+          attention<Compute>(kernel, 1, heads, queries_layout, keys_layout, values_layout,
+                             attended_layout, core, nullptr, buffers.kernel);
+        }
+      };
+      try {
+        steps.with_rows(b, total_keys, attend);
+      } catch (...) {
         steps.advance(b, count);
-        continue;
+        throw;
+      }
+      steps.advance(b, count);
+    }
+    if constexpr (std::is_same_v<Compute, float>) {
+      // kv_stride counts the cache's elements, or its blocks for a quantized cache.
+      const DecodeShape shape{heads, parameters.num_kv_heads(), head_dim, head_dim, inner, inner,
+                              width};
+      DecodeShape block_shape = shape;
+      block_shape.kv_stride = width / kQuantBlock;
+      if (!buffers.sequences.empty()) {
+        decode_attention(buffers.sequences, shape, core, buffers.kernel, buffers.decode, flex);
+      }
+      if (!buffers.q8_sequences.empty()) {
+        decode_attention(buffers.q8_sequences, block_shape, core, buffers.kernel, buffers.decode,
+                         flex);
+      }
+      if (!buffers.q4_sequences.empty()) {
+        decode_attention(buffers.q4_sequences, block_shape, core, buffers.kernel, buffers.decode,
+                         flex);
       }
     }
-    core.causal_cols = total_keys;
-    core.pattern =
-        checked_pattern(options.pattern, heads, count, total_keys, Alignment::bottom_right);
-    const auto queries_layout =
-        parameters.template head_layout<const Compute>(queries, count, inner);
-    const auto attended_layout = parameters.head_layout(attended, count, inner);
-    steps.with_rows(b, total_keys, [&](const auto* cached_keys, const auto* cached_values) {
-      using Stored = std::remove_const_t<std::remove_pointer_t<decltype(cached_keys)>>;
-      attention<Compute>(
-          kernel, 1, heads, queries_layout,
-          parameters.template kv_head_layout<const Stored>(cached_keys, total_keys, width),
-          parameters.template kv_head_layout<const Stored>(cached_values, total_keys, width),
-          attended_layout, core, nullptr, buffers.kernel);
-    });
-    steps.advance(b, count);
+  } catch (...) {
+    settle();
+    throw;
   }
-  if constexpr (std::is_same_v<Compute, float>) {
-    // kv_stride counts the cache's elements, or its blocks for a quantized cache.
-    const DecodeShape shape{heads, parameters.num_kv_heads(), head_dim, head_dim, inner, inner,
-                            width};
-    DecodeShape block_shape = shape;
-    block_shape.kv_stride = width / kQuantBlock;
-    if (!buffers.sequences.empty()) {
-      decode_attention(buffers.sequences, shape, core, buffers.kernel, buffers.decode);
-    }
-    if (!buffers.q8_sequences.empty()) {
-      decode_attention(buffers.q8_sequences, block_shape, core, buffers.kernel, buffers.decode);
-    }
-    if (!buffers.q4_sequences.empty()) {
-      decode_attention(buffers.q4_sequences, block_shape, core, buffers.kernel, buffers.decode);
-    }
-  }
-  for (Index b = 0; b < batch; ++b) steps.settle(b, options, rotary_dim);
+  settle();
 
   scale_heads(buffers.attended, options.head_gate, head_dim);
   ForwardResult<T> result;
