@@ -29,6 +29,7 @@
 #include <vector>
 
 #include <mha/flex.hpp>
+#include <mha/flex_decode.hpp>
 #include <mha/kernels/bf16_gemm.hpp>
 #include <mha/kernels/bf16_projection.hpp>
 #include <mha/kernels/decode.hpp>
@@ -754,6 +755,59 @@ void decode_step(benchmark::State& state, mha::Precision precision = mha::Precis
 
 void decode(benchmark::State& state) {
   decode_step(state);
+}
+
+// flex_decode/<variant>/<way>: decode/'s one-token step (E = 2048, H = 16, H_kv = 4) of B =
+// range(0) sequences with context = range(1) cached tokens, each query seeing a window of the last
+// 1024 keys, or all of them with ALiBi: by the built-in options (builtin), by mods with a mask_mod
+// called for every pair (mod), or with a block mask built for the context (block), with which
+// the step does not read the chunks of 256 keys outside the window. bytes_read counts what the
+// built-in step reads (every weight, every cached row) for all three.
+enum class FlexDecodeWay { builtin, mod, block };
+constexpr mha::Index kFlexDecodeWindow = 1023;
+
+void flex_decode_step(benchmark::State& state, bool window, FlexDecodeWay way) {
+  const mha::Index B = state.range(0), context = state.range(1), E = 2048, H = 16, kv_heads = 4;
+  mha::MultiHeadAttentionConfig config(E, H);
+  config.num_kv_heads = kv_heads;
+  const mha::MultiHeadAttention<float> layer(config);
+  auto cache = layer.make_kv_cache(B, context + 1);
+  auto options = mha::MultiHeadAttention<float>::decode_options();
+  options.window = mha::Window{0, 0};  // (the prompt, untimed, as decode_step's)
+  for (mha::Index first = 0; first < context; first += 2048) {
+    const mha::Index count = std::min<mha::Index>(2048, context - first);
+    layer.decode(random_tensor({B, count, E}, static_cast<std::uint64_t>(1 + first)), cache,
+                 options);
+  }
+  options.window = mha::Window{};
+  const mha::mods::SlidingWindow window_mod{kFlexDecodeWindow, 0};
+  const mha::mods::Alibi<float> alibi{mha::alibi_slopes<float>(H), 0};
+  const auto block_mask = mha::create_block_mask(window_mod, 1, 1, context + 1, context + 1);
+  if (way == FlexDecodeWay::builtin) {
+    if (window) {
+      options.window = mha::Window{kFlexDecodeWindow, 0};
+    } else {
+      options.alibi_slopes = alibi.slopes;
+    }
+  }
+  const auto token = random_tensor({B, 1, E}, 2);
+  const auto step = [&] {
+    if (way == FlexDecodeWay::builtin) return layer.decode(token, cache, options);
+    if (!window) return mha::flex_decode(layer, token, cache, alibi);
+    if (way == FlexDecodeWay::mod) {
+      return mha::flex_decode(layer, token, cache, mha::no_score_mod, window_mod);
+    }
+    return mha::flex_decode(layer, token, cache, mha::no_score_mod, block_mask);
+  };
+  const WallClock wall;
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(step().output.data());
+    for (mha::Index b = 0; b < B; ++b) cache.rewind(b, context);
+  }
+  state.counters["tokens_per_second"] = per_second(state, wall, static_cast<double>(B));
+  const double e = static_cast<double>(E), kv = static_cast<double>(kv_heads * E / H);
+  set_bytes_read(state, wall,
+                 4.0 * (2 * e * e + 2 * kv * e) + static_cast<double>(cache.storage_bytes()));
 }
 
 // A paged cache of B sequences whose prompts of `context` tokens were filled a page's worth of
@@ -1607,6 +1661,31 @@ BENCHMARK_CAPTURE(flex_neighbourhood, mod, true)
     ->Arg(7)
     ->Arg(13)
     ->Arg(21)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(flex_decode_step, window_builtin, true, FlexDecodeWay::builtin)
+    ->Name("flex_decode/window/builtin")
+    ->ArgNames({"B", "context"})
+    ->Args({8, 8192})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(flex_decode_step, window_mod, true, FlexDecodeWay::mod)
+    ->Name("flex_decode/window/mod")
+    ->ArgNames({"B", "context"})
+    ->Args({8, 8192})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(flex_decode_step, window_block, true, FlexDecodeWay::block)
+    ->Name("flex_decode/window/block")
+    ->ArgNames({"B", "context"})
+    ->Args({8, 8192})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(flex_decode_step, alibi_builtin, false, FlexDecodeWay::builtin)
+    ->Name("flex_decode/alibi/builtin")
+    ->ArgNames({"B", "context"})
+    ->Args({8, 8192})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(flex_decode_step, alibi_mod, false, FlexDecodeWay::mod)
+    ->Name("flex_decode/alibi/mod")
+    ->ArgNames({"B", "context"})
+    ->Args({8, 8192})
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(talking_heads)
     ->Name("talking_heads/reference")

@@ -116,6 +116,10 @@ class BlockMask {
             key_blocks_ +
         key_block_index)];
   }
+  // The cover of query i's keys [j0, j0 + cols) of (b, h).
+  BlockCover row_cover(Index b, Index h, Index i, Index j0, Index cols) const {
+    return cover(b, h, i, 1, j0, cols);
+  }
   // Decoding (flex_decode.hpp): a step of `batch` sequences of `heads` query heads whose longest
   // reaches `positions` cache rows needs a block mask built for at least that many queries and
   // keys, and a batch and heads of 1 or the step's.

@@ -9,10 +9,11 @@
 // sequence, so that a mod written for flex_attention over the whole sequence (q_idx and kv_idx
 // from 0) gives the same attention token by token; in a streaming cache they are its rows.
 //
-// The mask: a mask_mod (called for every pair the step computes; the keys grow with every step,
-// so no block mask is built for them), or a BlockMask built once for the longest sequence (as
-// FlexAttention's decoding slices one), whose empty blocks then spare the kernel their keys: a
-// chunk of 256 cached keys that no query of a step sees is not read. AllVisible (the default)
+// The mask: a mask_mod, or a BlockMask built once for the longest sequence (as FlexAttention's
+// decoding slices one). The decoding kernel reads no chunk of 256 cached keys that no query of the
+// step sees, which it learns from the block mask's blocks or by calling the mask_mod for the
+// chunk's keys; the flash kernel (a prompt) skips the block mask's empty blocks, and calls a
+// mask_mod given alone for every pair. AllVisible (the default)
 // masks nothing. The built-in options (causal masking, windows, ALiBi, softcap, sinks, RoPE) apply
 // as decode applies them, before the mask (flex.hpp gives the order).
 #pragma once
@@ -29,8 +30,10 @@ namespace mha {
 
 namespace detail {
 
-// A mask_mod without a block mask: every block partial, so that the kernels call the mask_mod for
-// every pair they compute.
+// A mask_mod without a block mask: every block partial, so that the flash kernel calls the
+// mask_mod for every pair it computes; the decoding kernel evaluates it over a chunk of a query's
+// keys first (row_cover), so that it reads no chunk that the step's queries do not see and masks
+// none that they see whole.
 template <class MaskMod>
 struct UnblockedMask {
   static constexpr Index kWhole = Index(1) << 40;  // one block for any length
@@ -45,6 +48,18 @@ struct UnblockedMask {
   static BlockCover cover(Index /*b*/, Index /*h*/, Index /*i0*/, Index /*rows*/, Index /*j0*/,
                           Index /*cols*/) {
     return BlockCover::partial;
+  }
+  BlockCover row_cover(Index b, Index h, Index i, Index j0, Index cols) const {
+    bool any_visible = false, any_hidden = false;
+    for (Index j = j0; j < j0 + cols; ++j) {
+      if ((*mask_mod_)(b, h, i, j)) {
+        any_visible = true;
+      } else {
+        any_hidden = true;
+      }
+      if (any_visible && any_hidden) return BlockCover::partial;
+    }
+    return any_visible ? BlockCover::full : BlockCover::empty;
   }
   static void check_decoding(Index /*batch*/, Index /*heads*/, Index /*positions*/) {}
 };

@@ -470,6 +470,8 @@ struct KernelScratch {
   // score_mod has seen the scores; and in the backward, its derivatives and (with learned
   // parameters) its inputs.
   Matrix<T> flex_masks, mod_derivatives, mod_inputs;
+  // A decoding task's rows' covers of its chunk by the user's mask (a BlockCover each).
+  std::vector<unsigned char> row_covers;
   Matrix<T> queries;  // the small-head flash kernel's scaled query block; a decoding task's queries
   // A decoding task's queries as the packed GEMM's panels, or as a q4 cache's products read
   // them (decode_q4.hpp: int8 codes, in its bytes).

@@ -23,8 +23,8 @@
 //
 // User mods (flex.hpp's flex_decode; Flex as the flash kernel's, kernels/flex_tile.hpp) see
 // sequence b of the step as batch element b and its query i as row S_b - n_b + i of its cache
-// (q_idx), the keys as rows of the cache (kv_idx). A chunk whose block-mask cover is empty for
-// every row is not read.
+// (q_idx), the keys as rows of the cache (kv_idx). A chunk that no row sees (a window's, or a
+// block mask's empty blocks) is not read.
 #pragma once
 
 #include <algorithm>
@@ -259,10 +259,17 @@ void decode_task(const DecodeSequence<Stored>& seq, Index b, const DecodeShape& 
                group_rows, mine.packed_queries.data() + g * query_panels * depth);
     }
   }
-  // Row r's cover of the chunk by the user's mask (full without one).
+  // Row r's cover of the chunk by the user's mask (full without one), found once a task (a
+  // mask_mod alone is called for each key of the chunk).
+  if constexpr (Flex::kActive) {
+    for (Index r = 0; r < rows; ++r) {
+      mine.row_covers[static_cast<std::size_t>(r)] =
+          static_cast<unsigned char>(flex.row_cover(b, r / n, seq.key_count - n + r % n, c0, cols));
+    }
+  }
   const auto flex_cover = [&](Index r) {
     if constexpr (Flex::kActive) {
-      return flex.cover(b, r / n, seq.key_count - n + r % n, 1, c0, cols);
+      return static_cast<BlockCover>(mine.row_covers[static_cast<std::size_t>(r)]);
     } else {
       arguments_unused(r, b);
       return BlockCover::full;
@@ -272,17 +279,16 @@ void decode_task(const DecodeSequence<Stored>& seq, Index b, const DecodeShape& 
     return options.may_see(r / n, n, r % n, r % n, c0, c0 + cols) &&
            flex_cover(r) != BlockCover::empty;
   };
-  if constexpr (Flex::kActive) {
-    // A chunk no row sees is never read: every row's state says so.
-    bool any_visible = false;
-    for (Index r = 0; r < rows && !any_visible; ++r) any_visible = visible(r);
-    if (!any_visible) {
-      for (Index r = 0; r < rows; ++r) {
-        partial[r * partial_width] = kNegInf;
-        partial[r * partial_width + 1] = 0.0F;
-      }
-      return;
+  // A chunk that no row sees (outside a window, or hidden by the user's mask) is never read:
+  // every row's state says so.
+  bool any_visible = false;
+  for (Index r = 0; r < rows && !any_visible; ++r) any_visible = visible(r);
+  if (!any_visible) {
+    for (Index r = 0; r < rows; ++r) {
+      partial[r * partial_width] = kNegInf;
+      partial[r * partial_width + 1] = 0.0F;
     }
+    return;
   }
   // Whether row r's scores need masks() here: ALiBi, a window, or causal masking that hides some
   // of the chunk's keys from it (a step's earlier queries). A one-token step sees every key.
@@ -669,6 +675,7 @@ void decode_attention(const std::vector<DecodeSequence<Stored>>& sequences,
     mine.scores.resize(max_rows + PackedGemmShape::kMr, kDecodeChunk);
     mine.queries.resize(std::max<Index>(max_rows, 1), shape.head_dim);
     mine.exps.resize(kDecodeChunk);
+    if (Flex::kActive) mine.row_covers.resize(static_cast<std::size_t>(max_rows));
     // Each key/value head's queries as panels, its rows' sums padded to whole micro-tiles (in
     // acc), and the transposed scores of a sub-block (in weight_rows).
     const Index group_rows = shape.group() * max_queries;
