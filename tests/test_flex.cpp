@@ -3,7 +3,7 @@
 // scaled_dot_product_attention's reference kernel in float64, forward and backward; score_mods
 // against the built-in options they re-express and a user's score_mod against finite
 // differences; block masks against a brute-force evaluation, the blocks the kernel skips, and
-// the refusals.
+// the refusals; T5's bucketed bias against PyTorch (tests/reference/generate_t5.py).
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
@@ -16,6 +16,7 @@
 
 #include "helpers.hpp"
 #include "mha/flex.hpp"
+#include "mha/io/safetensors.hpp"
 #include "mha/mods.hpp"
 
 using mha::Index;
@@ -352,6 +353,85 @@ TEST_CASE("flex: learned parameters of a score_mod get their gradient", "[flex][
   CHECK(
       mha::flex_attention_backward(in.q, in.k, in.v, result, in.grad_out, mha::no_score_mod, causal)
           .score_mod.is_null());
+}
+
+TEST_CASE("flex: T5's bucketed relative bias against PyTorch", "[flex][t5][reference]") {
+  // tests/reference/generate_t5.py: torch's buckets of every relative position in [-300, 300],
+  // and attention with a T5 bias in float32, its output and the table's gradient by autograd.
+  // The forward against float64 with the bias written out, and the table's gradient against
+  // central differences, in double.
+  for (const char* name : {"t5_encoder", "t5_decoder", "t5_short"}) {
+    INFO(name);
+    const auto file =
+        mha::io::read_safetensors(std::string(MHA_REFERENCE_DIR) + "/" + name + ".safetensors");
+    const Index num_buckets = std::stoi(file.metadata.at("num_buckets"));
+    const Index max_distance = std::stoi(file.metadata.at("max_distance"));
+    const bool bidirectional = file.metadata.at("bidirectional") == "1";
+    const auto buckets = mha::io::to_tensor<double>(file.at("buckets"), "buckets");
+    const Index reach = (buckets.size() - 1) / 2;
+    Index mismatches = 0;
+    for (Index relative = -reach; relative <= reach; ++relative) {
+      const auto expected = static_cast<Index>(buckets.data()[relative + reach]);
+      if (mha::mods::t5_bucket(relative, num_buckets, max_distance, bidirectional) != expected) {
+        ++mismatches;
+        UNSCOPED_INFO("relative " << relative << ": torch's bucket " << expected);
+      }
+    }
+    CHECK(mismatches == 0);
+
+    const auto q = mha::io::to_tensor<float>(file.at("q"), "q");
+    const auto k = mha::io::to_tensor<float>(file.at("k"), "k");
+    const auto v = mha::io::to_tensor<float>(file.at("v"), "v");
+    const auto grad_out = mha::io::to_tensor<float>(file.at("grad_output"), "grad_output");
+    const auto table = mha::io::to_tensor<float>(file.at("table"), "table");
+    const auto bias =
+        mha::mods::t5_bias(std::vector<float>(table.data(), table.data() + table.size()),
+                           num_buckets, max_distance, bidirectional);
+    const auto result = mha::flex_attention(q, k, v, bias);
+    CHECK_TENSORS_CLOSE(result.output, mha::io::to_tensor<float>(file.at("output"), "output"));
+    const auto grads = mha::flex_attention_backward(q, k, v, result, grad_out, bias);
+    const auto torch_grad = mha::io::to_tensor<float>(file.at("grad.table"), "grad.table");
+    REQUIRE(grads.score_mod.size() == torch_grad.size());
+    CHECK(mha_test::compare_gradients(
+              grads.score_mod.view(),
+              mha::TensorView<const float>(torch_grad.data(), grads.score_mod.shape()))
+              .ok);
+
+    // In double: the bias written out densely, and central differences for the table.
+    const auto qd = mha::tensor_cast<double>(q), kd = mha::tensor_cast<double>(k),
+               vd = mha::tensor_cast<double>(v), gd = mha::tensor_cast<double>(grad_out);
+    const auto bias_d =
+        mha::mods::t5_bias(std::vector<double>(table.data(), table.data() + table.size()),
+                           num_buckets, max_distance, bidirectional);
+    const Index heads = q.dim(0), length = q.dim(1);
+    Tensor<double> dense({heads, length, length});
+    for (Index h = 0; h < heads; ++h) {
+      for (Index i = 0; i < length; ++i) {
+        for (Index j = 0; j < length; ++j) {
+          const auto bucket = static_cast<Index>(buckets.data()[j - i + reach]);
+          dense[h].matrix()(i, j) = static_cast<double>(table.data()[h * num_buckets + bucket]);
+        }
+      }
+    }
+    mha::AttentionOptions<double> written_out;
+    written_out.kernel = mha::Kernel::reference;
+    written_out.mask = mha::Mask<double>::additive(dense);
+    const auto result_d = mha::flex_attention(qd, kd, vd, bias_d);
+    CHECK_TENSORS_CLOSE(result_d.output,
+                        mha::scaled_dot_product_attention(qd, kd, vd, written_out).output);
+    const auto grads_d = mha::flex_attention_backward(qd, kd, vd, result_d, gd, bias_d);
+    Tensor<double> values({table.size()});
+    std::copy(bias_d.table.begin(), bias_d.table.end(), values.data());
+    const auto numeric = mha_test::central_differences(values, [&] {
+      auto at = bias_d;
+      at.table.assign(values.data(), values.data() + values.size());
+      return mha::flex_attention(qd, kd, vd, at).output.flat().dot(gd.flat());
+    });
+    CHECK_TENSORS_CLOSE_TOL(grads_d.score_mod, numeric, 1e-6, 1e-7);
+  }
+  CHECK_THROWS_AS(mha::mods::t5_bias(std::vector<float>(6), 3, 10, true), std::invalid_argument);
+  CHECK_THROWS_AS(mha::mods::t5_bias(std::vector<float>(64), 32, 8, true), std::invalid_argument);
+  CHECK_THROWS_AS(mha::mods::t5_bias(std::vector<float>(33), 32, 128, true), std::invalid_argument);
 }
 
 TEST_CASE("flex: block masks equal a brute-force evaluation, broadcast and count", "[flex]") {

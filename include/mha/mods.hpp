@@ -258,6 +258,85 @@ struct RelativeBias {
   }
 };
 
+// T5's bucket of a relative position (Raffel et al. 2020), relative = kv_idx - c: of
+// num_buckets, bidirectional (T5's encoder) gives half to keys before the query and half to keys
+// after it; unidirectional (its decoder) counts only keys before it, later ones sharing bucket
+// 0. Within a direction, distances below half its buckets have one each, and the rest are
+// log-spaced up to max_distance, beyond which all share the last. Computed in float32, as T5's
+// implementations in PyTorch compute it, so that the boundaries fall where theirs do
+// (tests/reference/generate_t5.py holds torch's buckets).
+inline Index t5_bucket(Index relative, Index num_buckets, Index max_distance, bool bidirectional) {
+  Index bucket = 0, distance = -relative;  // how far before the query the key is
+  if (bidirectional) {
+    num_buckets /= 2;
+    if (distance < 0) bucket += num_buckets;
+    distance = std::abs(distance);
+  } else {
+    distance = std::max<Index>(distance, 0);
+  }
+  const Index max_exact = num_buckets / 2;
+  if (distance < max_exact) return bucket + distance;
+  const float logs = std::log(static_cast<float>(distance) / static_cast<float>(max_exact)) /
+                     static_cast<float>(std::log(static_cast<double>(max_distance) /
+                                                 static_cast<double>(max_exact))) *
+                     static_cast<float>(num_buckets - max_exact);
+  return bucket + std::min(max_exact + static_cast<Index>(logs), num_buckets - 1);
+}
+
+// T5's relative-position bias: score + table[h, t5_bucket(kv_idx - c, ...)], table [H,
+// num_buckets] row-major, learned (its gradient from the backward is the table's). Make it with
+// t5_bias, which computes the buckets of every relative position once.
+template <class T>
+struct T5Bias {
+  std::vector<T> table;
+  Index num_buckets = 32, max_distance = 128, offset = 0;
+  // The bucket of relative position r at r + max_distance, r clamped to [-max_distance,
+  // max_distance] (farther positions share the bucket of the nearest end).
+  std::shared_ptr<const std::vector<Index>> buckets;
+
+  Index column(Index q_idx, Index kv_idx) const {
+    const Index relative = std::clamp(kv_idx - q_idx - offset, -max_distance, max_distance);
+    return (*buckets)[static_cast<std::size_t>(relative + max_distance)];
+  }
+  template <class Score>
+  Score operator()(Score score, Index /*b*/, Index h, Index q_idx, Index kv_idx) const {
+    return score + table[static_cast<std::size_t>(h * num_buckets + column(q_idx, kv_idx))];
+  }
+  std::size_t parameter_count() const { return table.size(); }
+  void accumulate_gradient(T* gradient, T grad_score, T /*score*/, Index /*b*/, Index h,
+                           Index q_idx, Index kv_idx) const {
+    gradient[h * num_buckets + column(q_idx, kv_idx)] += grad_score;
+  }
+};
+// table [H · num_buckets] (T5's relative_attention_bias weight [num_buckets, H] transposed);
+// num_buckets of at least 2 (4 bidirectional) and max_distance above the exact distances.
+template <class T>
+T5Bias<T> t5_bias(std::vector<T> table, Index num_buckets = 32, Index max_distance = 128,
+                  bool bidirectional = true, Index offset = 0) {
+  const Index exact = (bidirectional ? num_buckets / 2 : num_buckets) / 2;
+  if (exact < 1) {
+    detail::throw_argument("num_buckets", "must be at least " +
+                                              std::string(bidirectional ? "4" : "2") + ", got " +
+                                              std::to_string(num_buckets));
+  }
+  if (max_distance <= exact) {
+    detail::throw_argument("max_distance", "must exceed the " + std::to_string(exact) +
+                                               " exact distances, got " +
+                                               std::to_string(max_distance));
+  }
+  if (table.empty() || table.size() % static_cast<std::size_t>(num_buckets) != 0) {
+    detail::throw_argument("table", "expected H · num_buckets = H · " +
+                                        std::to_string(num_buckets) + " values, got " +
+                                        std::to_string(table.size()));
+  }
+  std::vector<Index> buckets;
+  for (Index relative = -max_distance; relative <= max_distance; ++relative) {
+    buckets.push_back(t5_bucket(relative, num_buckets, max_distance, bidirectional));
+  }
+  return {std::move(table), num_buckets, max_distance, offset,
+          std::make_shared<const std::vector<Index>>(std::move(buckets))};
+}
+
 // Logit soft-capping (Gemma 2): cap tanh(score / cap).
 template <class T>
 struct Softcap {

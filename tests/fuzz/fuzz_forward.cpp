@@ -31,7 +31,11 @@
 //     mha/mods.hpp (or two combined), block sizes and score_mod (none, ALiBi, softcap, a
 //     relative-position bias table of decoded values): its
 //     output and gradients agree with scaled_dot_product_attention's reference kernel given the
-//     same mask evaluated densely and the score_mod's built-in option.
+//     same mask evaluated densely and the score_mod's built-in option;
+//   - flex_decode (mha/flex_decode.hpp) of a float self-attention layer over the query in decoded
+//     steps, with such a mask_mod (alone, or as a block mask of decoded blocks) and score_mod, and
+//     a KVCache of a decoded format: a float cache's outputs agree with forward over the whole
+//     sequence given the mods written out as attn_mask (causal), a quantized one's are finite.
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -46,6 +50,7 @@
 
 #include "fuzz_support.hpp"
 #include "mha/flex.hpp"
+#include "mha/flex_decode.hpp"
 #include "mha/frozen.hpp"
 #include "mha/mods.hpp"
 #include "mha/multihead_attention.hpp"
@@ -324,7 +329,8 @@ mha_fuzz::Tally tally(
     {"layer refused (ShapeError)", "call refused by every kernel (ShapeError)", "ran and compared",
      "ran and compared, and ran in bf16", "ran, ran in bf16, and decoded through a quantized cache",
      "and ran a packed batch", "and ran a layer with sinks", "and attended to an encoded memory",
-     "and streamed through a streaming cache", "and ran flex_attention against its dense mask"});
+     "and streamed through a streaming cache", "and ran flex_attention against its dense mask",
+     "and decoded with mods (flex_decode) against forward"});
 
 // Rows [begin, begin + count) of x's batch element b ([B, L, width]) as [count, width].
 template <class T>
@@ -690,6 +696,89 @@ void check_flex(const Case& c, Choices& choices, mha::Random& random) {
   tally.count(9);
 }
 
+// flex_decode of the query (the sequence's tokens) in decoded steps, with a decoded mask_mod
+// (alone or as a block mask) and score_mod, against forward over the whole sequence with the
+// mods written out as attn_mask [B·H, L, L], causal (a float cache), or finite (a quantized one).
+void check_flex_decode(const mha::MultiHeadAttention<float>& layer, const Case& c, Choices& choices,
+                       mha::Random& random, const Tensor<float>& query) {
+  const Index batch = c.batched ? c.batch : 1, heads = c.heads, length = c.query_len;
+  const Index embed = c.embed;
+  MaskFunction mask_mod = one_mask_mod(choices, length, length);
+  const bool block = choices.flag();
+  const Index query_block = choices.in(1, 40), key_block = choices.in(1, 80);
+  const auto format = static_cast<mha::KVCacheFormat>(choices.in(0, 2));
+  // The score_mod: none, ALiBi, softcap or a relative bias table, as its bias (or cap) beside.
+  const Index kind = choices.in(0, 3);
+  const Index reach = choices.in(0, 4);
+  mha::mods::RelativeBias<float> relative{{}, reach, 0};
+  for (Index e = 0; e < heads * (2 * reach + 1); ++e) {
+    relative.table.push_back(static_cast<float>(random.uniform(-2.0, 2.0)));
+  }
+  const mha::mods::Alibi<float> alibi{mha::alibi_slopes<float>(heads), 0};
+  const float cap = static_cast<float>(choices.in(1, 40)) / 4.0F;
+  mha::ForwardOptions<float> forward_options;
+  forward_options.need_weights = false;
+  forward_options.is_causal = true;
+  if (kind == 2) forward_options.softcap = cap;
+  Tensor<float> mask({batch * heads, length, length});
+  for (Index b = 0; b < batch; ++b) {
+    for (Index h = 0; h < heads; ++h) {
+      for (Index i = 0; i < length; ++i) {
+        for (Index j = 0; j < length; ++j) {
+          float value = 0.0F;
+          if (kind == 1) value = alibi(0.0F, b, h, i, j);
+          if (kind == 3) value = relative(0.0F, b, h, i, j);
+          mask[b * heads + h].matrix()(i, j) =
+              mask_mod(b, h, i, j) ? value : -std::numeric_limits<float>::infinity();
+        }
+      }
+    }
+  }
+  forward_options.attn_mask = mha::Mask<float>::additive(mask);
+  Tensor<float> x({batch, length, embed});
+  std::copy(query.data(), query.data() + query.size(), x.data());
+  const auto expected = try_forward(layer, x, x, x, forward_options);
+  std::optional<mha::KVCache<float>> cache;
+  try {
+    cache.emplace(layer.make_kv_cache(batch, std::max<Index>(length, 1), -1, format));
+  } catch (const mha::ShapeError&) {
+    return;  // a quantized format of heads that are not whole blocks of 32
+  }
+  const auto block_mask =
+      mha::create_block_mask(mask_mod, 1, 1, length, length, query_block, key_block);
+  Tensor<float> decoded(x.shape());
+  try {
+    for (Index first = 0; first < length;) {
+      const Index count = std::min(length - first, choices.in(1, 4));
+      Tensor<float> step({batch, count, embed});
+      for (Index b = 0; b < batch; ++b) {
+        step[b].matrix() = x[b].matrix().middleRows(first, count);
+      }
+      const auto run = [&](const auto& score_mod) {
+        return block ? mha::flex_decode(layer, step, *cache, score_mod, block_mask).output
+                     : mha::flex_decode(layer, step, *cache, score_mod, mask_mod).output;
+      };
+      const Tensor<float> out = kind == 1   ? run(alibi)
+                                : kind == 2 ? run(mha::mods::Softcap<float>{cap})
+                                : kind == 3 ? run(relative)
+                                            : run(mha::no_score_mod);
+      for (Index b = 0; b < batch; ++b) {
+        decoded[b].matrix().middleRows(first, count) = out[b].matrix();
+      }
+      first += count;
+    }
+  } catch (const mha::ShapeError& e) {
+    if (expected) violation(std::string("flex_decode refused what forward ran: ") + e.what());
+    return;
+  }
+  check_finite(decoded, "flex_decode output");
+  if (format == mha::KVCacheFormat::as_layer) {
+    if (!expected) violation("flex_decode ran what forward refused");
+    kernels_agree(expected->output, decoded, "flex_decode against forward with its mask");
+  }
+  tally.count(10);
+}
+
 template <class T>
 void run_case(const Case& c, Choices& choices) {
   mha::MultiHeadAttentionConfig config(c.embed, c.heads);
@@ -817,6 +906,12 @@ void run_case(const Case& c, Choices& choices) {
   if (choices.flag()) check_streaming(layer, c, choices, query, options);
   if constexpr (std::is_same_v<T, float>) {
     if (choices.flag()) check_flex(c, choices, random);
+    // flex_decode: a self-attention layer, decided by a byte after all the others'.
+    const bool self_attention_layer =
+        kdim == c.embed && vdim == c.embed && !c.add_bias_kv && !c.add_zero_attn;
+    if (self_attention_layer && choices.flag()) {
+      check_flex_decode(layer, c, choices, random, query);
+    }
   }
 }
 
