@@ -29,7 +29,7 @@
 #include <vector>
 
 #include <mha/flex.hpp>
-#include <mha/flex_decode.hpp>
+#include <mha/flex_layer.hpp>
 #include <mha/kernels/bf16_gemm.hpp>
 #include <mha/kernels/bf16_projection.hpp>
 #include <mha/kernels/decode.hpp>
@@ -761,7 +761,7 @@ void decode(benchmark::State& state) {
 // range(0) sequences with context = range(1) cached tokens, each query seeing a window of the last
 // 1024 keys, or all of them with ALiBi: by the built-in options (builtin), by mods with a mask_mod
 // called for every pair (mod), or with a block mask built for the context (block), with which
-// the step does not read the chunks of 256 keys outside the window. bytes_read counts what the
+// the step does not read the chunks of 240 keys outside the window. bytes_read counts what the
 // built-in step reads (every weight, every cached row) for all three.
 enum class FlexDecodeWay { builtin, mod, block };
 constexpr mha::Index kFlexDecodeWindow = 1023;

@@ -120,18 +120,18 @@ class BlockMask {
   BlockCover row_cover(Index b, Index h, Index i, Index j0, Index cols) const {
     return cover(b, h, i, 1, j0, cols);
   }
-  // Decoding (flex_decode.hpp): a step of `batch` sequences of `heads` query heads whose longest
-  // reaches `positions` cache rows needs a block mask built for at least that many queries and
-  // keys, and a batch and heads of 1 or the step's.
-  void check_decoding(Index batch, Index heads, Index positions) const {
-    if (query_len_ < positions || key_len_ < positions || (batch_ != 1 && batch_ != batch) ||
+  // A layer's call with mods (flex_layer.hpp) of `batch` sequences of `heads` query heads, the
+  // longest of `queries` queries (positions) and `keys` keys, needs a block mask built for at least
+  // that many queries and keys, and a batch and heads of 1 or the call's.
+  void check_covers(Index batch, Index heads, Index queries, Index keys) const {
+    if (query_len_ < queries || key_len_ < keys || (batch_ != 1 && batch_ != batch) ||
         (heads_ != 1 && heads_ != heads)) {
       detail::throw_shape("block_mask",
                           "[" + std::to_string(batch) + " or 1, " + std::to_string(heads) +
-                              " or 1, at least " + std::to_string(positions) + ", at least " +
-                              std::to_string(positions) +
-                              "] (the step's sequences, query heads, and rows of its longest "
-                              "sequence's cache)",
+                              " or 1, at least " + std::to_string(queries) + ", at least " +
+                              std::to_string(keys) +
+                              "] (the call's sequences, query heads, and its longest sequence's "
+                              "queries and keys)",
                           Shape{batch_, heads_, query_len_, key_len_});
     }
   }

@@ -13,7 +13,7 @@
 #include "mha/errors.hpp"
 #include "mha/finite.hpp"
 #include "mha/flex.hpp"
-#include "mha/flex_decode.hpp"
+#include "mha/flex_layer.hpp"
 #include "mha/frozen.hpp"
 #include "mha/heads.hpp"
 #include "mha/heatmap.hpp"

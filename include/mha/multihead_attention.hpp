@@ -87,7 +87,7 @@ template <class T>
 class FrozenMultiHeadAttention;
 namespace detail {
 template <class T>
-struct FlexDecoding;
+struct FlexLayer;
 }  // namespace detail
 
 template <class T>
@@ -402,7 +402,7 @@ class MultiHeadAttention {
 
  private:
   friend class FrozenMultiHeadAttention<T>;  // forwards with its packed weights (mha/frozen.hpp)
-  friend struct detail::FlexDecoding<T>;     // decodes with a user's mods (mha/flex.hpp)
+  friend struct detail::FlexLayer<T>;     // decodes with a user's mods (mha/flex.hpp)
   static constexpr std::uint64_t kDropoutSeedSalt = 0xD409A7E5EEDull;
 
   detail::LayerParameters<T> parameters_;

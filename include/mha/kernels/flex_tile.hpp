@@ -103,10 +103,10 @@ struct FlexTile {
                ? BlockCover::full
                : block_mask->row_cover(b + batch_offset, h, i + query_offset, j0, cols);
   }
-  // A decoding step of `batch` sequences of `heads` query heads whose longest reaches `positions`
-  // cache rows: refused (ShapeError) where the block mask does not reach so far.
-  void check_decoding(Index batch, Index heads, Index positions) const {
-    if (block_mask != nullptr) block_mask->check_decoding(batch, heads, positions);
+  // A layer's call of `batch` sequences of `heads` query heads whose longest has `queries` queries
+  // and `keys` keys: refused (ShapeError) where the block mask does not reach so far.
+  void check_covers(Index batch, Index heads, Index queries, Index keys) const {
+    if (block_mask != nullptr) block_mask->check_covers(batch, heads, queries, keys);
   }
   // Whether the tile may hold -inf after mask() (a score_mod may also return it).
   bool may_block(BlockCover cover) const { return kScoreMod || cover != BlockCover::full; }

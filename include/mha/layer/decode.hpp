@@ -500,7 +500,7 @@ ForwardResult<T> Decoding<T>::run(const LayerParameters<T>& parameters,
     for (Index b = 0; b < batch; ++b) {
       longest = std::max(longest, steps.length(b) + step_rows.count(b));
     }
-    flex.check_decoding(batch, parameters.num_heads(), longest);
+    flex.check_covers(batch, parameters.num_heads(), longest, longest);
   }
   const Index rotary_dim = options.rope ? checked_rotary_dim(*options.rope, head_dim) : 0;
   CoreOptions<Compute> core;

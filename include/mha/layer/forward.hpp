@@ -342,14 +342,16 @@ void average_over_heads(const Tensor<Compute>& per_head, Tensor<Compute>& averag
 
 // The forward pass proper, after plan_forward and core_options: into result, with workspace's
 // buffers; logsumexp is null or (B, H, L) for the flash kernel's backward; packed is null or a
-// frozen layer's packed weights (the same results, bit for bit).
-template <class T>
+// frozen layer's packed weights (the same results, bit for bit); flex: a user's mods
+// (flex_layer.hpp's flex_forward), which the flash kernel takes, seeing a packed batch's sequence
+// s as batch element s.
+template <class T, class Flex = NoFlex>
 void run_forward(const LayerParameters<T>& parameters, const ForwardPlan& plan,
                  const CoreOptions<compute_t<T>>& core, const TensorView<const T>& query,
                  const TensorView<const T>& key, const TensorView<const T>& value,
                  const ForwardOptions<T>& options, Workspace<T>& workspace,
-                 ForwardResult<T>& result, compute_t<T>* logsumexp,
-                 const PackedProjections* packed) {
+                 ForwardResult<T>& result, compute_t<T>* logsumexp, const PackedProjections* packed,
+                 const Flex& flex = {}) {
   using Compute = compute_t<T>;
   const ParameterSet<T>& values = parameters.values();
   const Index heads = parameters.num_heads(), inner = parameters.inner_dim();
@@ -438,31 +440,47 @@ void run_forward(const LayerParameters<T>& parameters, const ForwardPlan& plan,
   }
   if (options.need_weights) per_head_weights->resize({batch, heads, query_len, total_keys});
   workspace.attended.resize(batch * query_len, inner);
+  // count batch elements' heads (sequence s of a packed batch: count 1) by the planned kernel, or
+  // with mods by the flash kernel.
+  const auto attend = [&](Index count, Index sequence, const HeadLayout<const Compute>& q,
+                          const HeadLayout<const Compute>& k, const HeadLayout<const Compute>& v,
+                          const HeadLayout<Compute>& out, const CoreOptions<Compute>& options_here,
+                          Compute* weights, Compute* sequence_logsumexp) {
+    if constexpr (Flex::kActive) {
+      Flex sequence_flex = flex;
+      sequence_flex.batch_offset = sequence;
+      attention_flash_with_sinks<Compute, Compute>(count, heads, q, k, v, out, options_here,
+                                                   workspace.kernel, sequence_logsumexp,
+                                                   sequence_flex);
+      arguments_unused(weights);
+    } else {
+      arguments_unused(sequence);
+      attention<Compute>(plan.kernel, count, heads, q, k, v, out, options_here, weights,
+                         workspace.kernel, sequence_logsumexp);
+    }
+  };
   if (plan.sequences.empty()) {
-    attention<Compute>(
-        plan.kernel, batch, heads,
-        parameters.template head_layout<const Compute>(q_data, query_len, q_stride),
-        parameters.template kv_head_layout<const Compute>(k_data, total_keys, kv_stride),
-        parameters.template kv_head_layout<const Compute>(v_data, total_keys, kv_stride),
-        parameters.head_layout(workspace.attended.data(), query_len, inner), core,
-        options.need_weights ? per_head_weights->data() : nullptr, workspace.kernel, logsumexp);
+    attend(batch, 0, parameters.template head_layout<const Compute>(q_data, query_len, q_stride),
+           parameters.template kv_head_layout<const Compute>(k_data, total_keys, kv_stride),
+           parameters.template kv_head_layout<const Compute>(v_data, total_keys, kv_stride),
+           parameters.head_layout(workspace.attended.data(), query_len, inner), core,
+           options.need_weights ? per_head_weights->data() : nullptr, logsumexp);
   }
   // A packed batch: each sequence's rows, and its log-sum-exp (H, L_s) at H·query_begin.
   for (std::size_t s = 0; s < plan.sequences.size(); ++s) {
     const PackedSequence& sequence = plan.sequences[s];
     if (sequence.query_len == 0) continue;
-    attention<Compute>(
-        plan.kernel, 1, heads,
-        parameters.template head_layout<const Compute>(q_data + sequence.query_begin * q_stride,
-                                                       sequence.query_len, q_stride),
-        parameters.template kv_head_layout<const Compute>(k_data + sequence.key_begin * kv_stride,
-                                                          sequence.key_len, kv_stride),
-        parameters.template kv_head_layout<const Compute>(v_data + sequence.key_begin * kv_stride,
-                                                          sequence.key_len, kv_stride),
-        parameters.head_layout(workspace.attended.data() + sequence.query_begin * inner,
-                               sequence.query_len, inner),
-        sequence_core(core, options.pattern, heads, sequence, s), nullptr, workspace.kernel,
-        logsumexp != nullptr ? logsumexp + heads * sequence.query_begin : nullptr);
+    attend(1, static_cast<Index>(s),
+           parameters.template head_layout<const Compute>(q_data + sequence.query_begin * q_stride,
+                                                          sequence.query_len, q_stride),
+           parameters.template kv_head_layout<const Compute>(
+               k_data + sequence.key_begin * kv_stride, sequence.key_len, kv_stride),
+           parameters.template kv_head_layout<const Compute>(
+               v_data + sequence.key_begin * kv_stride, sequence.key_len, kv_stride),
+           parameters.head_layout(workspace.attended.data() + sequence.query_begin * inner,
+                                  sequence.query_len, inner),
+           sequence_core(core, options.pattern, heads, sequence, s), nullptr,
+           logsumexp != nullptr ? logsumexp + heads * sequence.query_begin : nullptr);
   }
 
   // With a gate, the output projection reads a gated copy: attended itself stays ungated, as
@@ -516,7 +534,7 @@ void run_forward(const LayerParameters<T>& parameters, const ForwardPlan& plan,
       const LayerParameters<T>&, const ForwardPlan&, const CoreOptions<compute_t<T>>&,    \
       const TensorView<const T>&, const TensorView<const T>&, const TensorView<const T>&, \
       const ForwardOptions<T>&, Workspace<T>&, ForwardResult<T>&, compute_t<T>*,          \
-      const PackedProjections*);
+      const PackedProjections*, const NoFlex&);
 // NOLINTEND(bugprone-macro-parentheses)
 MHA_EXTERN_TEMPLATES(MHA_LAYER_TYPES, MHA_LAYER_FORWARD_TEMPLATES)
 

@@ -1,8 +1,9 @@
-// Decoding with user mods (flex_decode, mha/flex_decode.hpp): a prompt and then a few tokens at a
-// time give the outputs of one float64 forward over the whole sequence whose attn_mask holds the
-// mods written out (each by its definition); a mod-defined window equals the built-in window bit
-// for bit in every cache format; a block mask, a mask_mod and a paged cache give the same bits;
-// and what flex_decode refuses, it refuses before the cache changes.
+// A layer's forward and decoding with user mods (flex_forward, flex_decode, mha/flex_layer.hpp):
+// forward, and decoding a prompt and then a few tokens at a time, give the outputs of one float64
+// forward whose attn_mask holds the mods written out (each by its definition); a packed batch's
+// sequences see their places as b; a mod-defined window decodes as the built-in window, bit for
+// bit, in every cache format; a block mask, a mask_mod and a paged cache give the same bits; and
+// what they refuse, decoding refuses before the cache changes.
 #include <atomic>
 #include <cmath>
 #include <functional>
@@ -12,7 +13,7 @@
 #include <vector>
 
 #include "helpers.hpp"
-#include "mha/flex_decode.hpp"
+#include "mha/flex_layer.hpp"
 #include "mha/mods.hpp"
 
 using mha::Index;
@@ -27,7 +28,7 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 
 // Grouped-query attention (two query heads per key/value head), two sequences.
 constexpr Index kEmbed = 64, kHeads = 4, kKvHeads = 2, kBatch = 2;
-// A prompt of more than one of the decoding kernel's chunks (256 keys), taken by the flash kernel
+// A prompt of more than one of the decoding kernel's chunks (240 keys), taken by the flash kernel
 // (16 or more new tokens), then steps of 3 and of 1 token, which the decoding kernel takes.
 constexpr Index kPrompt = 262;
 const std::vector<Index> kSteps{kPrompt, 3, 1, 1, 2, 1, 1, 1, 1, 1};
@@ -73,7 +74,8 @@ Tensor<float> decode_all(const Tensor<float>& x,
 // L, L] = bias(b, h, i, j) where visible(b, h, i, j), else -inf.
 Tensor<double> truth(const MultiHeadAttention<float>& layer, const Tensor<float>& x,
                      const std::function<double(Index, Index, Index, Index)>& bias,
-                     const std::function<bool(Index, Index, Index, Index)>& visible) {
+                     const std::function<bool(Index, Index, Index, Index)>& visible,
+                     bool causal = true) {
   const auto exact = mha_test::converted<double>(layer);
   const Index length = x.dim(1);
   Tensor<double> mask({kBatch * kHeads, length, length});
@@ -89,7 +91,7 @@ Tensor<double> truth(const MultiHeadAttention<float>& layer, const Tensor<float>
   }
   mha::ForwardOptions<double> options;
   options.need_weights = false;
-  options.is_causal = true;
+  options.is_causal = causal;
   options.attn_mask = mha::Mask<double>::additive(std::move(mask));
   return exact.forward(mha::tensor_cast<double>(x), options).output;
 }
@@ -307,4 +309,90 @@ TEST_CASE("flex_decode: a mod that throws makes the step throw; the sequences it
     const auto next = mha::flex_decode(layer, rows(step, 0, 1), cache, throwing);
     CHECK(next.output.flat().allFinite());
   }
+}
+
+TEST_CASE("flex_forward: mods give forward's outputs with the mods written out",
+          "[flex][forward]") {
+  const auto layer = float_layer();
+  const Tensor<float> x = input();
+  const Index length = total_length();
+  // T5's bidirectional bias (an encoder: not causal) and a mask_mod reading b; then causal ALiBi
+  // by a block mask built for a longer sequence than the call's.
+  std::vector<float> table(static_cast<std::size_t>(kHeads * 32));
+  mha::Random random(76);
+  for (float& value : table) value = static_cast<float>(random.normal());
+  const auto t5 = mha::mods::t5_bias(table, 32, 128, true);
+  const auto stripes = [](Index b, Index /*h*/, Index q_idx, Index kv_idx) {
+    return (q_idx + kv_idx + b) % 5 != 0 || q_idx == kv_idx;
+  };
+  const auto by_mod = mha::flex_forward(layer, x, t5, stripes);
+  check_decoded(
+      by_mod.output,
+      truth(
+          layer, x,
+          [&](Index, Index h, Index i, Index j) {
+            return static_cast<double>(table[static_cast<std::size_t>(
+                h * 32 + mha::mods::t5_bucket(j - i, 32, 128, true))]);
+          },
+          [](Index b, Index, Index i, Index j) { return (i + j + b) % 5 != 0 || i == j; }, false));
+
+  const mha::mods::Alibi<float> alibi{mha::alibi_slopes<float>(kHeads), 0};
+  const auto causal = mha::create_block_mask(mha::mods::causal(), 1, 1, length + 50, length + 50);
+  const auto by_blocks = mha::flex_forward(layer, x, alibi, causal);
+  check_decoded(by_blocks.output,
+                truth(
+                    layer, x,
+                    [&](Index, Index h, Index i, Index j) {
+                      return -static_cast<double>(alibi.slopes[static_cast<std::size_t>(h)]) *
+                             static_cast<double>(std::abs(i - j));
+                    },
+                    [](Index, Index, Index, Index) { return true; }));
+}
+
+TEST_CASE("flex_forward: a packed batch's sequences are b = 0, 1, ... to the mods",
+          "[flex][forward][varlen]") {
+  const auto layer = float_layer();
+  const std::vector<Index> lengths{70, 130, 45};
+  const std::vector<Index> cu_seqlens{0, 70, 200, 245};
+  const Tensor<float> packed = mha_test::random_tensor<float>({245, kEmbed}, 77);
+  // A window whose width depends on b.
+  const auto window = [](Index b, Index /*h*/, Index q_idx, Index kv_idx) {
+    return kv_idx <= q_idx && q_idx - kv_idx < 10 * (b + 1);
+  };
+  auto options = mha::flex_forward_options<float>();
+  options.cu_seqlens = cu_seqlens;
+  const auto together = mha::flex_forward(layer, packed, mha::no_score_mod, window, options);
+  for (Index s = 0; s < 3; ++s) {
+    INFO("sequence " << s);
+    const Index first = cu_seqlens[static_cast<std::size_t>(s)];
+    const Index count = lengths[static_cast<std::size_t>(s)];
+    Tensor<float> alone({count, kEmbed});
+    alone.matrix() = packed.matrix().middleRows(first, count);
+    const auto as_s = [&](Index /*b*/, Index h, Index q_idx, Index kv_idx) {
+      return window(s, h, q_idx, kv_idx);
+    };
+    const auto expected = mha::flex_forward(layer, alone, mha::no_score_mod, as_s);
+    Tensor<float> rows_of_s({count, kEmbed});
+    rows_of_s.matrix() = together.output.matrix().middleRows(first, count);
+    CHECK(rows_of_s.flat() == expected.output.flat());
+  }
+}
+
+TEST_CASE("flex_forward: refusals", "[flex][forward][errors]") {
+  const auto layer = float_layer();
+  const Tensor<float> x = mha_test::random_tensor<float>({kBatch, 40, kEmbed}, 78);
+  mha::ForwardOptions<float> weights;  // need_weights by default
+  CHECK(mha_test::contains(mha_test::message_of<std::invalid_argument>([&] {
+                             (void)mha::flex_forward(layer, x, mha::no_score_mod, mha::AllVisible{},
+                                                     weights);
+                           }),
+                           "need_weights"));
+  const auto short_mask = mha::create_block_mask(mha::mods::causal(), 1, 1, 39, 40);
+  CHECK_THROWS_AS(mha::flex_forward(layer, x, mha::no_score_mod, short_mask), mha::ShapeError);
+  const auto three = mha::create_block_mask(mha::mods::causal(), 3, 1, 40, 40);
+  CHECK_THROWS_AS(mha::flex_forward(layer, x, mha::no_score_mod, three), mha::ShapeError);
+  MultiHeadAttentionConfig with_bias_kv(kEmbed, kHeads);
+  with_bias_kv.add_bias_kv = true;
+  const MultiHeadAttention<float> extra_keys(with_bias_kv);
+  CHECK_THROWS_AS(mha::flex_forward(extra_keys, x, mha::no_score_mod), std::invalid_argument);
 }
