@@ -10,6 +10,7 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "helpers.hpp"
@@ -103,6 +104,14 @@ Tensor<double> rows_of(const Tensor<double>& x, Index count) {
   return part;
 }
 
+// ALiBi's bias of head h, query i and key j, written out.
+std::function<double(Index, Index, Index, Index)> alibi_bias(std::vector<float> slopes) {
+  return [slopes = std::move(slopes)](Index, Index h, Index i, Index j) {
+    return -static_cast<double>(slopes[static_cast<std::size_t>(h)]) *
+           static_cast<double>(std::abs(i - j));
+  };
+}
+
 // The bound of decoding against the whole forward (test_kv_cache.cpp's): 1e-5 of the output's
 // largest element.
 void check_decoded(const Tensor<float>& decoded, const Tensor<double>& exact) {
@@ -170,13 +179,8 @@ TEST_CASE("flex_decode: mods give the whole forward's outputs with the mods writ
     const auto decoded = decode_all(x, [&](const Tensor<float>& step) {
       return mha::flex_decode(layer, step, cache, alibi, block_mask).output;
     });
-    const auto exact = truth(
-        layer, x,
-        [&](Index, Index h, Index i, Index j) {
-          return -static_cast<double>(slopes[static_cast<std::size_t>(h)]) *
-                 static_cast<double>(std::abs(i - j));
-        },
-        [](Index, Index, Index i, Index j) { return i / 100 == j / 100; });
+    const auto exact = truth(layer, x, alibi_bias(slopes),
+                             [](Index, Index, Index i, Index j) { return i / 100 == j / 100; });
     check_decoded(decoded, exact);
   }
 }
@@ -339,14 +343,8 @@ TEST_CASE("flex_forward: mods give forward's outputs with the mods written out",
   const mha::mods::Alibi<float> alibi{mha::alibi_slopes<float>(kHeads), 0};
   const auto causal = mha::create_block_mask(mha::mods::causal(), 1, 1, length + 50, length + 50);
   const auto by_blocks = mha::flex_forward(layer, x, alibi, causal);
-  check_decoded(by_blocks.output,
-                truth(
-                    layer, x,
-                    [&](Index, Index h, Index i, Index j) {
-                      return -static_cast<double>(alibi.slopes[static_cast<std::size_t>(h)]) *
-                             static_cast<double>(std::abs(i - j));
-                    },
-                    [](Index, Index, Index, Index) { return true; }));
+  check_decoded(by_blocks.output, truth(layer, x, alibi_bias(alibi.slopes),
+                                        [](Index, Index, Index, Index) { return true; }));
 }
 
 TEST_CASE("flex_forward: a packed batch's sequences are b = 0, 1, ... to the mods",

@@ -101,8 +101,8 @@ mha::AttentionGradients<float> lint_flex_attention(const mha::Tensor<float>& q) 
   return mha::flex_attention_backward(q, q, q, chained, q, chain);
 }
 
-// flex_decode with a mask_mod over a KVCache and a block mask over a paged cache, so that
-// clang-tidy reads the decoding kernel's flex paths.
+// flex_decode with a mask_mod over a KVCache and a block mask over a paged cache, and
+// flex_forward, so that clang-tidy reads the layer's flex paths.
 mha::Tensor<float> lint_flex_decode(const mha::MultiHeadAttention<float>& layer,
                                     const mha::Tensor<float>& x) {
   auto cache = layer.make_kv_cache(x.dim(0), 64);
@@ -111,5 +111,6 @@ mha::Tensor<float> lint_flex_decode(const mha::MultiHeadAttention<float>& layer,
   auto paged = layer.make_paged_kv_cache(48, 4);
   const mha::Index sequence = paged.add_sequence();
   const auto mask = mha::create_block_mask(mha::mods::causal(), 1, 1, 64, 64);
+  (void)mha::flex_forward(layer, x, softcap, mask);
   return mha::flex_decode(layer, x, paged, {sequence}, mha::no_score_mod, mask).output;
 }
