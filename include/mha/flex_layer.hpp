@@ -18,10 +18,10 @@
 // The mask: a mask_mod, or a BlockMask built once for the longest sequence (as FlexAttention's
 // decoding slices one). The decoding kernel reads no chunk of 240 cached keys that no query of the
 // step sees, which it learns from the block mask's blocks or by calling the mask_mod for the
-// chunk's keys; the flash kernel (a prompt) skips the block mask's empty blocks, and calls a
-// mask_mod given alone for every pair. AllVisible (the default)
-// masks nothing. The built-in options (causal masking, windows, ALiBi, softcap, sinks, RoPE) apply
-// as decode applies them, before the mask (flex.hpp gives the order).
+// chunk's keys; the flash kernel (a forward, a prompt) skips the block mask's empty blocks, and
+// calls a mask_mod given alone for every pair. AllVisible (the default) masks nothing. The
+// built-in options (causal masking, windows, ALiBi, softcap, sinks, RoPE) apply as forward and
+// decode apply them, before the mask (flex.hpp gives the order).
 #pragma once
 
 #include <algorithm>

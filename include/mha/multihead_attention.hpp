@@ -402,7 +402,7 @@ class MultiHeadAttention {
 
  private:
   friend class FrozenMultiHeadAttention<T>;  // forwards with its packed weights (mha/frozen.hpp)
-  friend struct detail::FlexLayer<T>;     // decodes with a user's mods (mha/flex.hpp)
+  friend struct detail::FlexLayer<T>;  // forwards and decodes with user mods (mha/flex_layer.hpp)
   static constexpr std::uint64_t kDropoutSeedSalt = 0xD409A7E5EEDull;
 
   detail::LayerParameters<T> parameters_;

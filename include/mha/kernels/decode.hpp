@@ -21,7 +21,7 @@
 // pages of a pool that the sequence's page table names (DecodeSequence); query head h reads
 // key/value head h / G.
 //
-// User mods (flex.hpp's flex_decode; Flex as the flash kernel's, kernels/flex_tile.hpp) see
+// User mods (flex_layer.hpp's flex_decode; Flex as the flash kernel's, kernels/flex_tile.hpp) see
 // sequence b of the step as batch element b and its query i as row S_b - n_b + i of its cache
 // (q_idx), the keys as rows of the cache (kv_idx). A chunk that no row sees (a window's, or a
 // block mask's empty blocks) is not read.
@@ -92,7 +92,7 @@ struct DecodeSequence {
   // of kDecodePageGrain. 0: the sequence's rows in order from keys and values.
   const Index* page_table = nullptr;
   Index page_rows = 0;
-  Index batch_index = 0;  // the sequence's place in its step: user mods' b (flex.hpp)
+  Index batch_index = 0;  // the sequence's place in its step: user mods' b (flex_layer.hpp)
 
   // Key (value) row j, rows `stride` elements (blocks) apart.
   const Stored* key_row(Index j, Index stride) const { return keys + pool_row(j) * stride; }

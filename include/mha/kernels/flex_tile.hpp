@@ -87,9 +87,10 @@ struct FlexTile {
   // result does not depend on the threads.
   T* parameter_gradients = nullptr;
   Index parameter_count = 0;
-  // What the kernel's batch element 0 and query row 0 are to the mods: a decoding step runs the
-  // flash kernel on one sequence's new queries, sequence `batch_offset` of the step, whose first
-  // new query is row `query_offset` of its cache.
+  // What the kernel's batch element 0 and query row 0 are to the mods: a layer runs the flash
+  // kernel on one sequence at a time for a packed batch (sequence `batch_offset`) and for a
+  // decoding step's prompt (sequence `batch_offset` of the step, whose first new query is row
+  // `query_offset` of its cache).
   Index batch_offset = 0, query_offset = 0;
 
   BlockCover cover(Index b, Index h, Index i0, Index rows, Index j0, Index cols) const {

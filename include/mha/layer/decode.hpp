@@ -54,7 +54,7 @@ struct Decoding {
     Paged steps{cache, sequences};
     return run(parameters, x, steps, options, new_tokens, packed);
   }
-  // The same two steps with a user's mods (flex.hpp's flex_decode).
+  // The same two steps with a user's mods (flex_layer.hpp's flex_decode).
   template <class Flex>
   static ForwardResult<T> flex_step(const LayerParameters<T>& parameters,
                                     const TensorView<const T>& x, KVCache<T>& cache,
@@ -453,7 +453,8 @@ struct Decoding {
                         const Steps& steps, const ForwardOptions<T>& options,
                         const std::vector<Index>& new_tokens);
 
-  // flex: a user's mods (flex.hpp's flex_decode; NoFlex for none), as the flash kernel takes them.
+  // flex: a user's mods (flex_layer.hpp's flex_decode; NoFlex for none), as the flash kernel
+  // takes them.
   template <class Steps, class Flex = NoFlex>
   static ForwardResult<T> run(const LayerParameters<T>& parameters, const TensorView<const T>& x,
                               Steps& steps, const ForwardOptions<T>& options,
